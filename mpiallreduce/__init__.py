@@ -1,0 +1,11 @@
+"""mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
+
+from .api import ALGORITHMS, allreduce, plan
+from .errors import CollectiveTimeout, ScheduleError
+from .executor import Plan
+from .ops import AVG
+
+__version__ = "0.1.0"
+
+__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Plan", "ScheduleError", "__version__",
+           "allreduce", "plan"]

@@ -1,0 +1,114 @@
+"""Reduction operators: MPI op -> local combine (NumPy ufunc fast path, Op.Reduce_local otherwise)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .schedule import RECEIVED_FIRST
+
+_INTS = tuple(np.dtype(t) for t in ("int8", "int16", "int32", "int64",
+                                     "uint8", "uint16", "uint32", "uint64"))
+_FLOATS = (np.dtype("float32"), np.dtype("float64"))
+_COMPLEX = (np.dtype("complex64"), np.dtype("complex128"))
+_BOOL = (np.dtype("bool"),)
+#: every dtype mpiallreduce moves and reduces (the NumPy types with a predefined MPI datatype).
+DTYPES = _INTS + _FLOATS + _COMPLEX + _BOOL
+
+
+class _Average:
+    """Marker for ``mar.AVG``: sum across ranks, then divide by the number of ranks."""
+
+    def __repr__(self) -> str:
+        return "mpiallreduce.AVG"
+
+    def __reduce__(self):
+        return "AVG"
+
+
+#: Average across ranks (sum, then divide by p), as torch.distributed and Horovod offer.
+AVG = _Average()
+
+# name, op, ufunc, dtypes MPI defines it for (MPI-4.1 §6.9.2)
+_PREDEFINED = (
+    ("SUM", MPI.SUM, np.add, _INTS + _FLOATS + _COMPLEX),
+    ("PROD", MPI.PROD, np.multiply, _INTS + _FLOATS + _COMPLEX),
+    ("MIN", MPI.MIN, np.minimum, _INTS + _FLOATS),
+    ("MAX", MPI.MAX, np.maximum, _INTS + _FLOATS),
+    ("LAND", MPI.LAND, np.logical_and, _INTS + _BOOL),
+    ("LOR", MPI.LOR, np.logical_or, _INTS + _BOOL),
+    ("LXOR", MPI.LXOR, np.logical_xor, _INTS + _BOOL),
+    ("BAND", MPI.BAND, np.bitwise_and, _INTS),
+    ("BOR", MPI.BOR, np.bitwise_or, _INTS),
+    ("BXOR", MPI.BXOR, np.bitwise_xor, _INTS),
+)
+#: stable index of each op, shared by every rank (for the cross-rank agreement check).
+OP_NAMES = tuple(name for name, *_ in _PREDEFINED) + ("AVG",)
+
+
+@dataclass(frozen=True)
+class Reducer:
+    """How to combine two buffers for one (op, dtype): ``combine(received, local, order)``."""
+
+    name: str
+    mpi_op: MPI.Op
+    ufunc: np.ufunc | None
+    commutative: bool
+    average: bool
+    index: int  # position in OP_NAMES, or -1 (user op, commutative) / -2 (not commutative)
+
+    def combine(self, received: np.ndarray, local: np.ndarray, order: str) -> None:
+        """Reduce ``received`` into ``local`` in place, as ``received ∘ local`` or ``local ∘ received``.
+
+        ``received`` is scratch and may be overwritten (the non-commutative user-op path does).
+        """
+        if self.ufunc is not None:
+            if order == RECEIVED_FIRST:
+                self.ufunc(received, local, out=local)
+            else:
+                self.ufunc(local, received, out=local)
+        elif order == RECEIVED_FIRST:
+            self.mpi_op.Reduce_local(received, local)  # local = received ∘ local
+        else:
+            self.mpi_op.Reduce_local(local, received)  # received = local ∘ received
+            np.copyto(local, received)
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def check_dtype(dtype: np.dtype, argument: str = "sendbuf") -> None:
+    """Raise TypeError unless ``dtype`` is one mpiallreduce can move and reduce."""
+    if np.dtype(dtype) not in DTYPES:
+        raise TypeError(f"{argument} has dtype {np.dtype(dtype)}, which has no predefined MPI "
+                        f"datatype here; use one of {', '.join(dtype_name(d) for d in DTYPES)}")
+
+
+def reducer(op, dtype: np.dtype) -> Reducer:
+    """Return the Reducer for ``op`` on ``dtype`` or raise TypeError if MPI does not define it."""
+    dtype = np.dtype(dtype)
+    check_dtype(dtype)
+    if op is AVG:
+        if dtype not in _FLOATS + _COMPLEX:
+            raise TypeError(f"op AVG is not defined for dtype {dtype}: it divides by the number "
+                            f"of ranks; use a floating or complex dtype, or SUM")
+        return Reducer("AVG", MPI.SUM, np.add, True, True, OP_NAMES.index("AVG"))
+    if not isinstance(op, MPI.Op):
+        raise TypeError(f"op must be an mpi4py MPI.Op or mpiallreduce.AVG, got {op!r}")
+    if op == MPI.OP_NULL:
+        raise ValueError("op is MPI.OP_NULL (a freed or null op)")
+    for index, (name, mpi_op, ufunc, dtypes) in enumerate(_PREDEFINED):
+        if op == mpi_op:
+            if dtype not in dtypes:
+                allowed = ", ".join(dtype_name(d) for d in dtypes)
+                raise TypeError(f"op MPI.{name} is not defined for dtype {dtype}; "
+                                f"MPI defines it for {allowed}")
+            return Reducer(name, mpi_op, ufunc, True, False, index)
+    if op.is_predefined:
+        raise TypeError(f"predefined op {op!r} is not supported by mpiallreduce; use one of "
+                        f"{', '.join(OP_NAMES)} or a user op from MPI.Op.Create")
+    commutative = op.Is_commutative()
+    return Reducer("user", op, None, commutative, False, -1 if commutative else -2)

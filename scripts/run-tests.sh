@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Run the serial tests, then the MPI tests at each rank count in $RANKS.
+# Each MPI run is `mpirun -n N python -m mpi4py -m pytest --with-mpi` under `timeout`, so a
+# failing rank aborts the job instead of hanging it. Rank 0's pytest output is printed; every
+# rank's full log is kept in .test-logs/nN/rankR.log and printed if that run fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=$VENV/bin/python
+RANKS=${RANKS-1 2 3 4 5 8}
+SERIAL=${SERIAL:-1}
+MPI_TIMEOUT=${MPI_TIMEOUT:-600}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+export PYTHONUNBUFFERED=1
+status=0
+start=$(date +%s)
+
+if [ "$SERIAL" = 1 ]; then
+    echo "=== serial tests"
+    timeout "$MPI_TIMEOUT" "$PY" -m pytest -q --color=no -m "not mpi and not slow" tests
+    rc=$?
+    [ $rc -ne 0 ] && { echo "serial tests failed (exit $rc)"; status=1; }
+fi
+
+for n in $RANKS; do
+    echo "=== MPI tests, -n $n"
+    logs=.test-logs/n$n
+    rm -rf "$logs" && mkdir -p "$logs"
+    t0=$(date +%s)
+    timeout "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n "$n" bash -c '
+        exec > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1
+        exec "$1" -m mpi4py -m pytest -q --color=no -p no:cacheprovider --with-mpi \
+            -m "mpi and not slow" tests' "$logs" "$PY"
+    rc=$?
+    cat "$logs/rank0.log"
+    if [ $rc -ne 0 ]; then
+        echo "MPI tests at -n $n failed (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"
+        for f in "$logs"/rank*.log; do
+            [ "$f" = "$logs/rank0.log" ] && continue
+            if grep -qE "FAILED|Error|Traceback" "$f"; then echo "--- $f"; tail -n 60 "$f"; fi
+        done
+        status=1
+    fi
+    echo "=== -n $n: $(tail -n 1 "$logs/rank0.log") ($(( $(date +%s) - t0 )) s)"
+done
+echo "=== all test runs finished in $(( $(date +%s) - start )) s, status $status"
+exit $status

@@ -1,0 +1,109 @@
+"""Shared fixtures: communicator kinds, reference results from MPI's own Allreduce."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+COMM_KINDS = ("world", "dup", "split", "self")
+
+
+def make_comm(kind: str) -> MPI.Intracomm:
+    """Return a communicator of the given kind (the caller frees it with free_comm)."""
+    world = MPI.COMM_WORLD
+    if kind == "world":
+        return world
+    if kind == "self":
+        return MPI.COMM_SELF
+    if kind == "dup":
+        return world.Dup()
+    if kind == "split":
+        # Two sub-communicators of different sizes (3 and 2 at p = 5), ranks reversed in one.
+        color = world.rank % 2
+        key = -world.rank if color else world.rank
+        return world.Split(color, key)
+    raise ValueError(kind)
+
+
+def free_comm(comm: MPI.Intracomm) -> None:
+    if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+        comm.Free()
+
+
+@pytest.fixture(params=COMM_KINDS)
+def comm(request):
+    comm = make_comm(request.param)
+    yield comm
+    free_comm(comm)
+
+
+def contribution(comm, count: int, dtype, op_name: str = "SUM", seed: int = 0) -> np.ndarray:
+    """This rank's input: random values whose range suits the op (no overflow for PROD)."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng([seed, comm.rank, count])
+    if dtype == np.bool_:
+        return rng.integers(0, 2, count).astype(bool)
+    if op_name == "PROD":
+        if dtype.kind in "fc":
+            x = rng.uniform(0.5, 1.5, count)
+            return (x + 1j * rng.uniform(-0.2, 0.2, count) if dtype.kind == "c" else x).astype(dtype)
+        return rng.integers(1, 3, count).astype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        hi = min(info.max // max(comm.size, 1), 1000)
+        lo = 0 if dtype.kind == "u" or op_name in ("LAND", "LOR", "LXOR") else -hi
+        if op_name in ("LAND", "LOR", "LXOR"):
+            hi = 3
+        return rng.integers(lo, hi, count, endpoint=False).astype(dtype)
+    x = rng.uniform(-10, 10, count)
+    if dtype.kind == "c":
+        x = x + 1j * rng.uniform(-10, 10, count)
+    return x.astype(dtype)
+
+
+def assert_matches_native(comm, x: np.ndarray, out: np.ndarray, op, average: bool = False):
+    """Compare ``out`` with comm.Allreduce(x, op) on every rank; exact for integers.
+
+    Floating-point sums depend on the order of additions, so the tolerance is derived from the
+    dtype and p: |out - ref| <= (p - 1) * eps * (sum over ranks of |x|) per element, the classic
+    bound for any summation order. Results must also be bit-identical across ranks.
+    """
+    ref = np.empty_like(x)
+    comm.Allreduce(x, ref, op=op)
+    p = comm.size
+    if average:
+        ref = ref / p
+    if x.dtype.kind in "fc" and op not in (MPI.MIN, MPI.MAX):
+        eps = np.finfo(x.dtype).eps
+        mag = np.empty(x.shape, dtype=np.finfo(x.dtype).dtype)
+        if op == MPI.PROD:
+            base = np.abs(x).astype(mag.dtype)
+            comm.Allreduce(base, mag, op=MPI.PROD)
+            bound = 2 * p * eps * mag
+        else:
+            comm.Allreduce(np.abs(x).astype(mag.dtype), mag, op=MPI.SUM)
+            bound = 2 * max(p - 1, 1) * eps * mag / (p if average else 1)
+        err = np.abs(out.astype(ref.dtype) - ref)
+        bad = np.flatnonzero(err > bound)
+        assert bad.size == 0, (f"rank {comm.rank}: {bad.size} elements off, first at {bad[0]}: "
+                               f"{out.flat[bad[0]]} vs {ref.flat[bad[0]]} (bound {bound.flat[bad[0]]})")
+    else:
+        mismatch = np.flatnonzero(out != ref)
+        assert mismatch.size == 0, (f"rank {comm.rank}: {mismatch.size} elements differ, first "
+                                    f"at {mismatch[0]}: {out.flat[mismatch[0]]} vs "
+                                    f"{ref.flat[mismatch[0]]}")
+    assert_identical_across_ranks(comm, out)
+
+
+def assert_identical_across_ranks(comm, out: np.ndarray) -> None:
+    digest = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
+    digests = comm.allgather(digest)
+    assert len(set(digests)) == 1, f"results differ across ranks: {digests}"
+
+
+def awkward_counts(p: int) -> list[int]:
+    """Counts that stress chunking: 0, 1, below p, not divisible by p, a prime, large."""
+    return sorted({0, 1, max(p - 1, 0), p, p + 1, 2 * p + 1, 97, 100_003})

@@ -1,0 +1,188 @@
+"""Every algorithm against MPI's own Allreduce, on every rank, across dtypes, ops, counts,
+in-place or not, and communicator kinds. Run under mpirun with --with-mpi."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_native, awkward_counts, contribution
+from mpi4py import MPI
+
+import mpiallreduce as mar
+
+pytestmark = pytest.mark.mpi
+
+ALGORITHMS = [a for a in mar.ALGORITHMS]
+OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX, "LAND": MPI.LAND,
+       "LOR": MPI.LOR, "LXOR": MPI.LXOR, "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
+INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+FLOATS = ["float32", "float64"]
+COMPLEX = ["complex64", "complex128"]
+VALID = {"SUM": INTS + FLOATS + COMPLEX, "PROD": INTS + FLOATS + COMPLEX,
+         "MIN": INTS + FLOATS, "MAX": INTS + FLOATS,
+         "LAND": INTS + ["bool"], "LOR": INTS + ["bool"], "LXOR": INTS + ["bool"],
+         "BAND": INTS, "BOR": INTS, "BXOR": INTS}
+OP_DTYPE = [(op, dtype) for op, dtypes in VALID.items() for dtype in dtypes]
+
+
+def _run(comm, x, op, algorithm, in_place):
+    if in_place:
+        buf = x.copy()
+        out = mar.allreduce(MPI.IN_PLACE, buf, op=op, comm=comm, algorithm=algorithm)
+        assert out is buf
+        return out
+    out = mar.allreduce(x, None, op=op, comm=comm, algorithm=algorithm)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("op_name, dtype", OP_DTYPE)
+def test_every_op_and_dtype(algorithm, op_name, dtype):
+    comm = MPI.COMM_WORLD
+    for count in (comm.size + 1, 1000):
+        x = contribution(comm, count, dtype, op_name)
+        out = _run(comm, x, OPS[op_name], algorithm, in_place=False)
+        assert_matches_native(comm, x, out, OPS[op_name])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
+@pytest.mark.parametrize("dtype", ["float64", "int32", "complex64"])
+def test_awkward_counts_on_every_communicator_kind(comm, algorithm, in_place, dtype):
+    for count in awkward_counts(comm.size):
+        x = contribution(comm, count, dtype)
+        out = _run(comm, x, MPI.SUM, algorithm, in_place)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert_matches_native(comm, x, out, MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_multidimensional_buffers_keep_their_shape(algorithm):
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 60, "float64").reshape(3, 4, 5)
+    out = np.zeros_like(x)
+    result = mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+    assert result is out and out.shape == (3, 4, 5)
+    assert_matches_native(comm, x, out, MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", FLOATS + COMPLEX)
+def test_average(algorithm, dtype):
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 1001, dtype)
+    out = mar.allreduce(x, op=mar.AVG, comm=comm, algorithm=algorithm)
+    assert_matches_native(comm, x, out, MPI.SUM, average=True)
+
+
+def _maxabs(inbuf, inoutbuf, datatype):
+    # a commutative user op: elementwise max of absolute values
+    a = np.frombuffer(inbuf, dtype=np.float64)
+    b = np.frombuffer(inoutbuf, dtype=np.float64)
+    np.maximum(np.abs(a), np.abs(b), out=b)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_commutative_user_op(algorithm):
+    comm = MPI.COMM_WORLD
+    op = MPI.Op.Create(_maxabs, commute=True)
+    try:
+        x = contribution(comm, 333, "float64")
+        out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
+        ref = np.empty_like(x)
+        comm.Allreduce(x, ref, op=op)
+        assert np.array_equal(out, ref)
+    finally:
+        op.Free()
+
+
+def _affine(inbuf, inoutbuf, datatype):
+    # (a, b) ∘ (c, d) = (a·c, a·d + b): composing affine maps, associative but not commutative
+    x = np.frombuffer(inbuf, dtype=np.int64).reshape(-1, 2)
+    y = np.frombuffer(inoutbuf, dtype=np.int64).reshape(-1, 2)
+    a, b = x[:, 0].copy(), x[:, 1].copy()
+    y[:, 1] = a * y[:, 1] + b
+    y[:, 0] = a * y[:, 0]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
+    comm = MPI.COMM_WORLD
+    op = MPI.Op.Create(_affine, commute=False)
+    try:
+        rng = np.random.default_rng(comm.rank)
+        x = rng.integers(-3, 4, size=(50, 2)).astype(np.int64)
+        ref = np.empty_like(x)
+        comm.Allreduce(x, ref, op=op)
+        needs_commutative = (algorithm in mar.ALGORITHMS and algorithm not in ("native", "auto")
+                             and mar.algorithms.get(algorithm).commutative_only)
+        if needs_commutative:
+            with pytest.raises(ValueError, match="commutative"):
+                mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
+        else:
+            out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
+            assert np.array_equal(out, ref)
+    finally:
+        op.Free()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_plan_runs_repeatedly_and_sees_new_input(comm, algorithm):
+    x = contribution(comm, 1234, "float64")
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm, algorithm=algorithm) as p:
+        for round_ in range(3):
+            x[:] = contribution(comm, 1234, "float64", seed=round_)
+            p.run()
+            assert_matches_native(comm, x, out, MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_plan_in_place(algorithm):
+    comm = MPI.COMM_WORLD
+    buf = np.empty(777, dtype=np.int64)
+    p = mar.plan(MPI.IN_PLACE, buf, comm=comm, algorithm=algorithm)
+    for round_ in range(2):
+        x = contribution(comm, 777, "int64", seed=round_)
+        buf[:] = x
+        p.run()
+        assert_matches_native(comm, x, buf, MPI.SUM)
+    p.free()
+    p.free()  # idempotent
+    with pytest.raises(ValueError, match="freed"):
+        p.run()
+
+
+def test_buffer_protocol_and_dlpack_inputs():
+    import array
+    comm = MPI.COMM_WORLD
+    x = array.array("d", [float(comm.rank)] * 5)
+    out = mar.allreduce(x, algorithm="ring", comm=comm)
+    assert out.tolist() == [float(sum(range(comm.size)))] * 5
+
+    class DLPackOnly:  # a CPU tensor that is not an ndarray and offers only DLPack
+        def __init__(self, array):
+            self._array = array
+
+        def __dlpack__(self, **kwargs):
+            return self._array.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._array.__dlpack_device__()
+
+    y = DLPackOnly(np.full(4, comm.rank + 1, dtype=np.int32))
+    out = np.zeros(4, dtype=np.int32)
+    mar.allreduce(y, out, algorithm="ring", comm=comm)
+    assert out.tolist() == [comm.size * (comm.size + 1) // 2] * 4
+
+
+def test_ring_messages_do_not_match_user_messages():
+    """Internal messages use a private Dup, so a pending user receive on comm stays pending."""
+    comm = MPI.COMM_WORLD
+    req = comm.Irecv(np.empty(1), source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    x = contribution(comm, 100, "float64")
+    out = mar.allreduce(x, comm=comm, algorithm="ring")
+    assert not req.Test()
+    assert_matches_native(comm, x, out, MPI.SUM)
+    comm.Send(np.zeros(1), dest=comm.rank, tag=7)
+    req.Wait()
