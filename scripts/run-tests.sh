@@ -15,11 +15,23 @@ export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export PYTHONUNBUFFERED=1
 status=0
 start=$(date +%s)
+passed=0
+failed=0
+count() {  # add the counts of a pytest summary line to the totals
+    local line=$1 n
+    n=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+"); passed=$((passed + ${n:-0}))
+    for n in $(grep -oE "[0-9]+ (failed|errors?)" <<<"$line" | grep -oE "[0-9]+"); do
+        failed=$((failed + n))
+    done
+}
 
 if [ "$SERIAL" = 1 ]; then
     echo "=== serial tests"
-    timeout "$MPI_TIMEOUT" "$PY" -m pytest -q --color=no -m "not mpi and not slow" tests
-    rc=$?
+    timeout "$MPI_TIMEOUT" "$PY" -m pytest -q --color=no -m "not mpi and not slow" tests \
+        | tee .test-logs-serial.txt
+    rc=${PIPESTATUS[0]}
+    count "$(tail -n 1 .test-logs-serial.txt)"
+    rm -f .test-logs-serial.txt
     [ $rc -ne 0 ] && { echo "serial tests failed (exit $rc)"; status=1; }
 fi
 
@@ -42,7 +54,11 @@ for n in $RANKS; do
         done
         status=1
     fi
-    echo "=== -n $n: $(tail -n 1 "$logs/rank0.log") ($(( $(date +%s) - t0 )) s)"
+    summary=$(tail -n 1 "$logs/rank0.log")
+    count "$summary"
+    [ $rc -ne 0 ] && ! grep -qE "failed|error" <<<"$summary" && failed=$((failed + 1))
+    echo "=== -n $n: $summary ($(( $(date +%s) - t0 )) s)"
 done
 echo "=== all test runs finished in $(( $(date +%s) - start )) s, status $status"
+echo "total: $passed passed, $failed failed"
 exit $status
