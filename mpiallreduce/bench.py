@@ -1,0 +1,617 @@
+"""OSU-style allreduce benchmark: latency, bus bandwidth and a check against MPI's own Allreduce.
+
+    mpirun -n 4 python -m mpi4py -m mpiallreduce.bench [--sizes 8:16M] [--algorithms all] ...
+
+For every message size (powers of two) and every algorithm, on every rank: build a plan (outside
+any timing), run it ``warmup`` times untimed, barrier, time ``iterations`` runs with
+``MPI.Wtime`` and keep this rank's mean. The row shows the average, minimum and maximum of the
+per-rank means across ranks (as OSU's osu_allreduce does), algbw = size / avg and
+busbw = algbw * 2(p-1)/p (as nccl-tests defines it), the ratio native avg / this avg (above 1:
+faster than MPI's own Allreduce) and the validation verdict: after timing, the plan runs once
+more on fresh input and every rank compares its result with ``comm.Allreduce`` of the same input.
+The inputs are small integers (in the chosen dtype), so every reduction order gives the exact
+same result and the comparison is bit for bit.
+
+Output goes to rank 0's stdout. Exit status: 0, 1 if any validation failed, 2 for bad arguments,
+the same on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import sys
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiallreduce as mar
+
+from .ops import AVG, DTYPES, OP_NAMES, reducer
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+#: the variable the library reads for simulated nodes (see DESIGN.md, Topology).
+RANKS_PER_NODE_ENV = "MPIALLREDUCE_RANKS_PER_NODE"
+DEFAULT_SIZES = "8:16M"
+#: default iteration rule: MAX_ITERATIONS up to BUDGET_BYTES / MAX_ITERATIONS bytes, then fewer
+#: (about BUDGET_BYTES moved per rank and size), never under MIN_ITERATIONS.
+MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 256, 5, 32 * 2**20
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+class UsageError(Exception):
+    """A bad command line: reported once, by rank 0, and every rank exits with status 2."""
+
+
+class _HelpShown(Exception):
+    """``-h`` or ``--version`` printed its text; exit 0."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting and prints help on one rank only."""
+
+    def __init__(self, *args, printing: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.printing = printing
+
+    def error(self, message):
+        raise UsageError(message)
+
+    def exit(self, status=0, message=None):
+        if message:
+            raise UsageError(message.strip())
+        raise _HelpShown
+
+    def _print_message(self, message, file=None):
+        if self.printing:
+            super()._print_message(message, file)
+
+
+# -- arguments -------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """Return the byte count of ``text`` ("64", "4K", "16M", "1G"; binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"bad size {text!r}: expected a number of bytes with an optional K, M or G "
+                         f"suffix (powers of 1024), e.g. 8, 4K, 16M")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Return the powers of two from MIN to MAX for ``"MIN:MAX"`` (or the one size ``"N"``)."""
+    low, sep, high = text.partition(":")
+    sizes = (parse_size(low), parse_size(high) if sep else parse_size(low))
+    for size in sizes:
+        if size < 1 or size & (size - 1):
+            raise UsageError(f"bad size {human(size)} in --sizes {text!r}: sizes must be powers of "
+                             f"two (1, 2, 4, ..., 1K, ..., 1G)")
+    if sizes[0] > sizes[1]:
+        raise UsageError(f"--sizes {text!r}: MIN {human(sizes[0])} is larger than MAX "
+                         f"{human(sizes[1])}")
+    return [1 << k for k in range(sizes[0].bit_length() - 1, sizes[1].bit_length())]
+
+
+def human(size: int) -> str:
+    """Return ``size`` bytes as 8, 4K, 16M, 1G (exact binary units) or plain bytes."""
+    for suffix, unit in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= unit and size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
+
+
+def default_iterations(size: int) -> tuple[int, int]:
+    """Return (iterations, warm-up) for ``size`` bytes when the command line does not fix them."""
+    iterations = max(MIN_ITERATIONS, min(MAX_ITERATIONS, BUDGET_BYTES // max(size, 1)))
+    return iterations, max(1, iterations // 10)
+
+
+def parse_algorithms(text: str) -> list[str]:
+    """Return the algorithm names of a comma list; ``all`` means every one but ``auto``."""
+    names: list[str] = []
+    for item in (part.strip() for part in text.split(",")):
+        expanded = ([a for a in mar.ALGORITHMS if a != "auto"] if item == "all" else [item])
+        for name in expanded:
+            if name not in mar.ALGORITHMS:
+                raise UsageError(f"unknown algorithm {name!r} in --algorithms; choose from "
+                                 f"{', '.join(mar.ALGORITHMS)} or all")
+            if name not in names:
+                names.append(name)
+    # native is the reference of every ratio: always run it, and first.
+    return ["native"] + [name for name in names if name != "native"]
+
+
+def _op(name: str):
+    return AVG if name == "AVG" else getattr(MPI, name)
+
+
+def build_parser(printing: bool = True) -> _Parser:
+    """Return the command-line parser (every option documents its default)."""
+    parser = _Parser(
+        prog="python -m mpiallreduce.bench", printing=printing,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=("OSU-style allreduce benchmark of mpiallreduce's algorithms against MPI's own "
+                     "Allreduce.\nRun under mpirun: mpirun -n 4 python -m mpi4py -m "
+                     "mpiallreduce.bench"),
+        epilog=("timing: for each size and algorithm a plan is built (untimed), run WARMUP times "
+                "untimed,\nthen after a barrier ITERATIONS runs are timed with MPI.Wtime; each "
+                "rank keeps its mean,\nand avg/min/max are taken over those per-rank means "
+                "(as OSU does).\nalgbw = size / avg; busbw = algbw * 2(p-1)/p (nccl-tests); "
+                "vs_native = native avg / avg\n(above 1: faster than native). Validation: after "
+                "timing, one more run on fresh input is\ncompared on every rank, bit for bit, "
+                "with comm.Allreduce of the same small-integer input.\n"
+                "exit status: 0 ok, 1 a validation failed, 2 bad arguments (same on every rank)."))
+    names = ", ".join(mar.ALGORITHMS)
+    parser.add_argument("--algorithms", default="all", metavar="LIST",
+                        help=f"comma list of {names}, or all (every one but auto); native always "
+                             f"runs, as the reference (default: all)")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="MIN:MAX",
+                        help="message sizes in bytes per rank, every power of two from MIN to MAX; "
+                             "K, M, G suffixes are powers of 1024; one size N is N:N "
+                             f"(default: {DEFAULT_SIZES})")
+    parser.add_argument("--dtype", default="float32", choices=[d.name for d in DTYPES],
+                        metavar="DTYPE", help="element type, one of "
+                        f"{', '.join(d.name for d in DTYPES)} (default: float32)")
+    parser.add_argument("--op", default="SUM", choices=OP_NAMES, type=str.upper, metavar="OP",
+                        help=f"reduction, one of {', '.join(OP_NAMES)}; it must be defined for "
+                             "the dtype (default: SUM)")
+    parser.add_argument("--iterations", type=int, default=None, metavar="N",
+                        help=f"timed runs per size and algorithm (default: {MAX_ITERATIONS} up to "
+                             f"{human(BUDGET_BYTES // MAX_ITERATIONS)}, then "
+                             f"{human(BUDGET_BYTES)}/size, at least {MIN_ITERATIONS})")
+    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+                        help="untimed runs before timing (default: iterations/10, at least 1)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="reduce in place (sendbuf = MPI.IN_PLACE) (default: off)")
+    parser.add_argument("--no-validate", dest="validate", action="store_false",
+                        help="skip the comparison with comm.Allreduce (default: validate)")
+    parser.add_argument("--json", metavar="FILE", help="write metadata and rows as JSON "
+                        "(default: none)")
+    parser.add_argument("--csv", metavar="FILE", help="write rows as CSV, metadata as leading "
+                        "'#' lines (default: none)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size "
+                        "(needs matplotlib, the 'plot' extra) (default: none)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                        help=f"simulate nodes of K consecutive ranks (sets {RANKS_PER_NODE_ENV} "
+                             "for the hierarchical algorithms) (default: "
+                             f"${RANKS_PER_NODE_ENV} if set, else the real layout)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print no table, only failures and errors (default: off)")
+    parser.add_argument("--version", action="version",
+                        version=f"mpiallreduce.bench {mar.__version__}")
+    return parser
+
+
+@dataclass
+class Options:
+    """A checked command line."""
+
+    algorithms: list[str]
+    sizes: list[int]
+    dtype: np.dtype
+    op: str
+    iterations: int | None
+    warmup: int | None
+    in_place: bool
+    validate: bool
+    json: str | None
+    csv: str | None
+    plot: str | None
+    ranks_per_node: int | None
+    quiet: bool
+    notes: list[str]
+
+
+def parse_args(argv=None, printing: bool = True) -> Options:
+    """Parse and check a command line; raise UsageError (or _HelpShown) with the same outcome on
+    every rank for the same argv."""
+    args = build_parser(printing).parse_args(argv)
+    notes = []
+    dtype = np.dtype(args.dtype)
+    try:
+        reducer(_op(args.op), dtype)
+    except TypeError as exc:
+        raise UsageError(f"--op {args.op} with --dtype {args.dtype}: {exc}") from None
+    sizes = parse_sizes(args.sizes)
+    small = [s for s in sizes if s < dtype.itemsize]
+    if small:
+        sizes = [s for s in sizes if s >= dtype.itemsize]
+        if not sizes:
+            raise UsageError(f"--sizes {args.sizes!r}: every size is smaller than one {dtype.name} "
+                             f"element ({dtype.itemsize} B)")
+        notes.append(f"sizes below one {dtype.name} element ({dtype.itemsize} B) skipped: "
+                     f"{', '.join(map(human, small))}")
+    for name in ("iterations", "warmup"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "iterations" else 0):
+            raise UsageError(f"--{name} {value}: must be at least {1 if name == 'iterations' else 0}")
+    ranks_per_node = args.ranks_per_node
+    if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
+        text = os.environ[RANKS_PER_NODE_ENV]
+        if not text.strip().isdigit():
+            raise UsageError(f"{RANKS_PER_NODE_ENV}={text!r}: must be a positive integer")
+        ranks_per_node = int(text)
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node {ranks_per_node}: must be at least 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'mpiallreduce[plot]'")
+    return Options(parse_algorithms(args.algorithms), sizes, dtype, args.op, args.iterations,
+                   args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
+                   ranks_per_node, args.quiet, notes)
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One size and algorithm: the measurement and its verdict."""
+
+    size: int
+    count: int
+    algorithm: str
+    iterations: int
+    warmup: int
+    avg_us: float
+    min_us: float
+    max_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    vs_native: float
+    check: str  # "ok", "FAIL" or "-" (not validated)
+
+
+def make_input(count: int, dtype: np.dtype, op: str, rank: int, seed: int = 2024) -> np.ndarray:
+    """Return this rank's input: small integers in ``dtype``, so every reduction order is exact.
+
+    PROD gets factors of magnitude one (three for unsigned types, which wrap the same way in any
+    order), the logical ops 0..2, SUM and the rest small signed values.
+    """
+    rng = np.random.default_rng([seed, rank, count])
+    if dtype == np.bool_:
+        return rng.integers(0, 2, count).astype(bool)
+    if op == "PROD":
+        values = rng.choice([1, 3] if dtype.kind == "u" else [-1, 1], count)
+    elif op in ("LAND", "LOR", "LXOR") or dtype.kind == "u":
+        values = rng.integers(0, 3 if op in ("LAND", "LOR", "LXOR") else 8, count)
+    else:
+        values = rng.integers(-8, 9, count)
+    if dtype.kind == "c":
+        return (values + 1j * rng.integers(-8, 9, count)).astype(dtype)
+    return values.astype(dtype)
+
+
+def _reference(comm, x: np.ndarray, op: str) -> np.ndarray:
+    red = reducer(_op(op), x.dtype)
+    ref = np.empty_like(x)
+    comm.Allreduce(x, ref, op=red.mpi_op)
+    if red.average:
+        np.divide(ref, comm.size, out=ref)
+    return ref
+
+
+def _mean_time(run, iterations: int, warmup: int, comm) -> float:
+    """Return this rank's mean seconds per call: warm-up untimed, barrier, timed loop."""
+    for _ in range(warmup):
+        run()
+    comm.Barrier()
+    start = MPI.Wtime()
+    for _ in range(iterations):
+        run()
+    return (MPI.Wtime() - start) / iterations
+
+
+def _topology(comm, ranks_per_node: int | None):
+    """Return the ``topology=`` the plans are built with.
+
+    None for now: ``main`` has set MPIALLREDUCE_RANKS_PER_NODE, which the library reads for its
+    default topology. Hook: once ``mpiallreduce.topology`` exists, return
+    ``Topology.simulated(comm, ranks_per_node=k)`` (or ``Topology.from_comm(comm)``) here, so
+    the header and the plans describe the same layout.
+    """
+    return None
+
+
+class _Case:
+    """One size: this rank's input, the reference result and the per-algorithm measurement."""
+
+    def __init__(self, comm, opts: Options, size: int):
+        self.comm, self.opts, self.size = comm, opts, size
+        self.count = size // opts.dtype.itemsize
+        self.x = make_input(self.count, opts.dtype, opts.op, comm.rank)
+        self.ref = _reference(comm, self.x, opts.op) if opts.validate else None
+        self.recv = np.empty_like(self.x)
+        self.iterations, self.warmup = default_iterations(size)
+        if opts.iterations is not None:
+            self.iterations, self.warmup = opts.iterations, max(1, opts.iterations // 10)
+        if opts.warmup is not None:
+            self.warmup = opts.warmup
+
+    def measure(self, algorithm: str, topology) -> tuple[float, bool] | str:
+        """Return (this rank's mean seconds, validation ok on every rank), or the reason the
+        algorithm refused this case (the same on every rank: ``plan`` checks collectively)."""
+        opts, comm = self.opts, self.comm
+        if opts.in_place:
+            self.recv[...] = self.x
+        sendbuf = MPI.IN_PLACE if opts.in_place else self.x
+        try:
+            plan = mar.plan(sendbuf, self.recv, op=_op(opts.op), comm=comm, algorithm=algorithm,
+                            topology=topology, check=True)
+        except ValueError as exc:
+            return str(exc)
+        with plan:
+            seconds = _mean_time(plan.run, self.iterations, self.warmup, comm)
+            ok = True
+            if opts.validate:
+                if opts.in_place:
+                    self.recv[...] = self.x
+                else:
+                    self.recv.fill(99)  # a value no input here can reduce to
+                plan.run()
+                ok = bool(np.array_equal(self.recv, self.ref))
+        ok = comm.allreduce(ok, op=MPI.LAND)
+        return seconds, ok
+
+
+def _stats(comm, seconds: float) -> tuple[float, float, float] | None:
+    """Return (avg, min, max) over ranks of the per-rank means in µs, on rank 0 (None elsewhere)."""
+    means = comm.gather(seconds, root=0)
+    if means is None:
+        return None
+    micro = [1e6 * s for s in means]
+    return sum(micro) / len(micro), min(micro), max(micro)
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+def _layout(comm, ranks_per_node: int | None) -> tuple[str, int]:
+    """Return (ranks-per-node description, number of nodes) for the header."""
+    p = comm.size
+    if ranks_per_node is not None:
+        nodes = -(-p // ranks_per_node)
+        uneven = "" if p % ranks_per_node == 0 else f", last node {p % ranks_per_node}"
+        return (f"{ranks_per_node} (simulated: {RANKS_PER_NODE_ENV}={ranks_per_node}, "
+                f"{nodes} node(s){uneven})"), nodes
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    sizes = comm.allgather(local.size if local.rank == 0 else 0)
+    local.Free()
+    per_node = sorted({s for s in sizes if s})
+    nodes = sum(1 for s in sizes if s)
+    return f"{'/'.join(map(str, per_node))} (real: {nodes} node(s))", nodes
+
+
+def metadata(comm, opts: Options) -> dict:
+    """Return the run's metadata (the same on every rank except the host name)."""
+    layout, nodes = _layout(comm, opts.ranks_per_node)
+    return {
+        "tool": "mpiallreduce.bench",
+        "version": mar.__version__,
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0].split(",")[0],
+        "mpi_library_full": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "mpi4py": __import__("mpi4py").__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ranks": comm.size,
+        "ranks_per_node": layout,
+        "nodes": nodes,
+        "dtype": opts.dtype.name,
+        "op": opts.op,
+        "in_place": opts.in_place,
+        "validate": opts.validate,
+        "algorithms": opts.algorithms,
+        "sizes": opts.sizes,
+        "iterations": ("fixed {}".format(opts.iterations) if opts.iterations is not None else
+                       f"{MAX_ITERATIONS} up to {human(BUDGET_BYTES // MAX_ITERATIONS)}, then "
+                       f"{human(BUDGET_BYTES)}/size, at least {MIN_ITERATIONS}"),
+        "warmup": (f"fixed {opts.warmup}" if opts.warmup is not None else
+                   "iterations/10, at least 1"),
+        "timer": "MPI.Wtime",
+    }
+
+
+def header_lines(meta: dict, width: int) -> list[str]:
+    """Return the ``#`` header and the column titles."""
+    return [
+        f"# {meta['tool']} {meta['version']}: allreduce latency and bandwidth (OSU-style)",
+        f"# MPI: {meta['mpi_library']} (MPI {meta['mpi_standard']}); mpi4py {meta['mpi4py']}, "
+        f"numpy {meta['numpy']}, Python {meta['python']}; host {meta['host']}, {meta['date']}",
+        f"# ranks: {meta['ranks']}, ranks per node: {meta['ranks_per_node']}",
+        f"# dtype: {meta['dtype']}, op: {meta['op']}, in place: {'yes' if meta['in_place'] else 'no'}"
+        f", validation: {'on (bit for bit vs comm.Allreduce)' if meta['validate'] else 'off'}",
+        f"# iterations: {meta['iterations']}; warm-up: {meta['warmup']} (untimed)",
+        "# time: barrier, then the mean over iterations on each rank; avg/min/max over ranks (us)",
+        "# algbw = size/avg, busbw = algbw*2(p-1)/p (GB/s, 1e9 B/s); "
+        "vs_native = native avg/avg (>1: faster than native)",
+        "#",
+        f"# {'size(B)':>10} {'algorithm':<{width}} {'avg(us)':>11} {'min(us)':>11} {'max(us)':>11} "
+        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'vs_native':>9} check",
+    ]
+
+
+def format_row(row: Row, width: int) -> str:
+    return (f"  {row.size:>10} {row.algorithm:<{width}} {row.avg_us:>11.2f} {row.min_us:>11.2f} "
+            f"{row.max_us:>11.2f} {row.algbw_gbs:>11.4f} {row.busbw_gbs:>11.4f} "
+            f"{row.vs_native:>9.2f} {row.check}")
+
+
+def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
+    """Return one closing line per algorithm: mean busbw and the sizes where it beat native."""
+    lines = ["#", "# summary: mean busbw over sizes; sizes where avg latency beat native "
+                  "(vs_native > 1)"]
+    for name in algorithms:
+        mine = [r for r in rows if r.algorithm == name]
+        if not mine:
+            continue
+        mean = sum(r.busbw_gbs for r in mine) / len(mine)
+        line = f"# {name}: mean busbw {mean:.4f} GB/s over {len(mine)} size(s)"
+        if name != "native":
+            wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if r.vs_native > 1]
+            line += (f"; faster than native at {len(wins)} size(s): {', '.join(wins)}" if wins
+                     else "; never faster than native")
+        lines.append(line)
+    return lines
+
+
+def write_json(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "notes": notes, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        f.write("\n")
+
+
+def write_csv(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        for key, value in meta.items():
+            f.write(f"# {key}: {value}\n")
+        for note in notes:
+            f.write(f"# note: {note}\n")
+        writer = csv.DictWriter(f, fieldnames=list(Row.__dataclass_fields__))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+
+
+def plot(runs: list[tuple[str, list[dict]]], path: str, title: str) -> None:
+    """Draw latency and busbw against size (log-2 x axis), one line per algorithm and run.
+
+    ``runs`` holds (label suffix, rows as dicts); the sweep script passes one run per rank count.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lat, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
+    for suffix, rows in runs:
+        for name in dict.fromkeys(r["algorithm"] for r in rows):
+            mine = [r for r in rows if r["algorithm"] == name]
+            label = f"{name}{suffix}"
+            sizes = [r["size"] for r in mine]
+            ax_lat.plot(sizes, [r["avg_us"] for r in mine], marker=".", label=label)
+            ax_bw.plot(sizes, [r["busbw_gbs"] for r in mine], marker=".", label=label)
+    for ax, ylabel in ((ax_lat, "avg latency (µs)"), (ax_bw, "busbw (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size per rank (B)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    ax_lat.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
+    """Measure every size and algorithm; print rows on rank 0 as each size finishes.
+
+    Returns (rows, notes, all validations passed); rows and notes are complete on rank 0 only.
+    """
+    out = sys.stdout if out is None else out
+    root = comm.rank == 0
+    show = root and not opts.quiet
+    topology = _topology(comm, opts.ranks_per_node)
+    width = max(9, *(len(a) for a in opts.algorithms))
+    rows: list[Row] = []
+    notes = list(opts.notes)
+    refused: dict[str, str] = {}
+    all_ok = True
+    busfactor = 2 * (comm.size - 1) / comm.size
+    for size in opts.sizes:
+        case = _Case(comm, opts, size)
+        native_us = None
+        lines = []
+        for algorithm in opts.algorithms:
+            if algorithm in refused:
+                continue
+            result = case.measure(algorithm, topology)
+            if isinstance(result, str):
+                refused[algorithm] = result
+                notes.append(f"{algorithm} skipped: {result}")
+                if show:
+                    lines.append(f"# {algorithm} skipped: {result}")
+                continue
+            seconds, ok = result
+            all_ok &= ok
+            stats = _stats(comm, seconds)
+            if stats is None:
+                continue
+            avg, low, high = stats
+            native_us = avg if algorithm == "native" else native_us
+            algbw = size / avg / 1e3  # B/µs -> GB/s
+            row = Row(size, case.count, algorithm, case.iterations, case.warmup, avg, low, high,
+                      algbw, algbw * busfactor, native_us / avg,
+                      ("ok" if ok else "FAIL") if opts.validate else "-")
+            rows.append(row)
+            if show or (root and not ok):
+                lines.append(format_row(row, width))
+        if lines and root:
+            print("\n".join(lines), file=out, flush=True)
+    return rows, notes, all_ok
+
+
+def main(argv=None, comm=None, out=None) -> int:
+    """Run the benchmark; return the exit status (the same on every rank)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    out = sys.stdout if out is None else out
+    root = comm.rank == 0
+    error = None
+    try:
+        opts = parse_args(argv, printing=root)
+    except _HelpShown:
+        return EXIT_OK
+    except UsageError as exc:
+        error = str(exc)
+    # argv is the same everywhere, so ranks agree; this makes sure of it before any collective.
+    errors = comm.allgather(error)
+    if any(errors):
+        if root:
+            first = next(e for e in errors if e)
+            print(f"python -m mpiallreduce.bench: error: {first}\n"
+                  f"(python -m mpiallreduce.bench -h lists the options and their defaults)",
+                  file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if opts.ranks_per_node is not None:
+        os.environ[RANKS_PER_NODE_ENV] = str(opts.ranks_per_node)
+    meta = metadata(comm, opts)
+    width = max(9, *(len(a) for a in opts.algorithms))
+    if root and not opts.quiet:
+        lines = header_lines(meta, width) + [f"# note: {note}" for note in opts.notes]
+        print("\n".join(lines), file=out, flush=True)
+    rows, notes, all_ok = run(comm, opts, out)
+    if root:
+        if not opts.quiet:
+            print("\n".join(summary_lines(rows, opts.algorithms)), file=out, flush=True)
+        failed = [r for r in rows if r.check == "FAIL"]
+        if failed:
+            print(f"# validation FAILED: {', '.join(f'{r.algorithm} at {human(r.size)}' for r in failed)}",
+                  file=out, flush=True)
+        if opts.json:
+            write_json(opts.json, meta, rows, notes)
+        if opts.csv:
+            write_csv(opts.csv, meta, rows, notes)
+        if opts.plot:
+            plot([("", [asdict(r) for r in rows])], opts.plot,
+                 f"allreduce, {comm.size} ranks, {opts.dtype.name} {opts.op}")
+    comm.Barrier()  # files are complete before any rank returns
+    return EXIT_OK if all_ok else EXIT_FAIL
+
+
+if __name__ == "__main__":
+    status = main()
+    if status:
+        # Finalize first: under `python -m mpi4py`, a plain non-zero exit becomes MPI_Abort and
+        # its banner; after Finalize every rank just exits with the status.
+        MPI.Finalize()
+    sys.exit(status)
