@@ -42,7 +42,7 @@ RANKS_PER_NODE_ENV = "MPIALLREDUCE_RANKS_PER_NODE"
 DEFAULT_SIZES = "8:16M"
 #: default iteration rule: MAX_ITERATIONS up to BUDGET_BYTES / MAX_ITERATIONS bytes, then fewer
 #: (about BUDGET_BYTES moved per rank and size), never under MIN_ITERATIONS.
-MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 256, 5, 32 * 2**20
+MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 1000, 20, 64 * 2**20
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
 
@@ -410,7 +410,7 @@ def metadata(comm, opts: Options) -> dict:
         "validate": opts.validate,
         "algorithms": opts.algorithms,
         "sizes": opts.sizes,
-        "iterations": ("fixed {}".format(opts.iterations) if opts.iterations is not None else
+        "iterations": (f"fixed {opts.iterations}" if opts.iterations is not None else
                        f"{MAX_ITERATIONS} up to {human(BUDGET_BYTES // MAX_ITERATIONS)}, then "
                        f"{human(BUDGET_BYTES)}/size, at least {MIN_ITERATIONS}"),
         "warmup": (f"fixed {opts.warmup}" if opts.warmup is not None else
@@ -491,13 +491,17 @@ def plot(runs: list[tuple[str, list[dict]]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_lat, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
-    for suffix, rows in runs:
+    colors: dict[str, str] = {}  # one colour per algorithm, one line style per run
+    styles = ("-", "--", ":", "-.")
+    for index, (suffix, rows) in enumerate(runs):
         for name in dict.fromkeys(r["algorithm"] for r in rows):
+            color = colors.setdefault(name, f"C{len(colors) % 10}")
             mine = [r for r in rows if r["algorithm"] == name]
-            label = f"{name}{suffix}"
             sizes = [r["size"] for r in mine]
-            ax_lat.plot(sizes, [r["avg_us"] for r in mine], marker=".", label=label)
-            ax_bw.plot(sizes, [r["busbw_gbs"] for r in mine], marker=".", label=label)
+            style = {"color": color, "linestyle": styles[index % len(styles)], "marker": ".",
+                     "label": f"{name}{suffix}"}
+            ax_lat.plot(sizes, [r["avg_us"] for r in mine], **style)
+            ax_bw.plot(sizes, [r["busbw_gbs"] for r in mine], **style)
     for ax, ylabel in ((ax_lat, "avg latency (µs)"), (ax_bw, "busbw (GB/s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size per rank (B)")

@@ -1,0 +1,354 @@
+"""The benchmark: command-line checks (serial), small runs under MPI, and a broken algorithm
+that validation must catch. The bench runs in-process through ``bench.main(argv)``; two serial
+tests launch it with mpirun as a user would."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import bench
+from mpiallreduce.schedule import RECEIVED_FIRST
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MPIRUN = pathlib.Path(sys.executable).parent / "mpirun"
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+SMALL = ["--sizes", "8:64", "--iterations", "3", "--warmup", "1"]
+COLUMNS = ("size", "algorithm", "avg", "min", "max", "algbw", "busbw", "vs_native", "check")
+
+
+# -- serial: the command line ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, sizes", [
+    ("8:64", [8, 16, 32, 64]),
+    ("1K", [1024]),
+    ("4k:16KiB", [4096, 8192, 16384]),
+    ("1M:2M", [2**20, 2**21]),
+    ("1G:1G", [2**30]),
+])
+def test_sizes_are_powers_of_two_from_min_to_max(text, sizes):
+    assert bench.parse_sizes(text) == sizes
+
+
+def test_default_sizes_run_from_8_bytes_to_16_mib():
+    sizes = bench.parse_sizes(bench.DEFAULT_SIZES)
+    assert sizes[0] == 8 and sizes[-1] == 16 * 2**20 and len(sizes) == 22
+
+
+@pytest.mark.parametrize("text", ["7:64", "8:100", "0:8", "64:8", "8:16Q", "", "x", "8:", "-8:8"])
+def test_bad_sizes_raise_usage_error(text):
+    with pytest.raises(bench.UsageError, match="size"):
+        bench.parse_sizes(text)
+
+
+def test_default_iterations_shrink_with_size_within_bounds():
+    sizes = bench.parse_sizes("1:1G")
+    counts = [bench.default_iterations(s) for s in sizes]
+    assert counts[0] == (bench.MAX_ITERATIONS, bench.MAX_ITERATIONS // 10)
+    assert counts[-1][0] == bench.MIN_ITERATIONS
+    assert all(a[0] >= b[0] for a, b in zip(counts, counts[1:]))
+    assert all(1 <= warmup <= iterations for iterations, warmup in counts)
+
+
+def test_all_means_every_algorithm_but_auto_and_native_always_runs_first():
+    names = bench.parse_algorithms("all")
+    assert names[0] == "native"
+    assert set(names) == set(mar.ALGORITHMS) - {"auto"}
+    assert bench.parse_algorithms("ring") == ["native", "ring"]
+    assert bench.parse_algorithms("auto,native,ring,ring") == ["native", "auto", "ring"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "8:100"], "powers of two"),
+    (["--sizes", "lots"], "bad size"),
+    (["--algorithms", "ring,bogus"], "unknown algorithm 'bogus'"),
+    (["--op", "BAND", "--dtype", "float32"], "BAND is not defined for dtype float32"),
+    (["--op", "AVG", "--dtype", "int32"], "AVG is not defined for dtype int32"),
+    (["--op", "NOPE"], "invalid choice"),
+    (["--dtype", "float16"], "invalid choice"),
+    (["--iterations", "0"], "--iterations 0"),
+    (["--ranks-per-node", "0"], "--ranks-per-node 0"),
+    (["--sizes", "1:4", "--dtype", "float64"], "smaller than one float64"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_arguments_exit_2_with_one_clear_message(argv, message, capsys):
+    assert bench.main(argv) == bench.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_help_documents_every_option_with_its_default(capsys):
+    assert bench.main(["-h"]) == bench.EXIT_OK
+    text = capsys.readouterr().out
+    parser = bench.build_parser()
+    for action in parser._actions:
+        if action.dest in ("help", "version"):
+            continue
+        assert action.option_strings[0] in text
+        assert "(default:" in action.help, action.option_strings
+    for phrase in ("warm", "barrier", "2(p-1)/p", "exit status"):
+        assert phrase in text
+
+
+def test_sizes_below_one_element_are_skipped_with_a_note():
+    opts = bench.parse_args(["--sizes", "4:32", "--dtype", "complex128"])
+    assert opts.sizes == [16, 32]
+    assert any("4, 8" in note for note in opts.notes)
+
+
+def _valid(op: str, dtype: str) -> bool:
+    try:
+        mar.ops.reducer(bench._op(op), np.dtype(dtype))
+    except TypeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("op, dtype", [
+    (op, dtype) for op in bench.OP_NAMES
+    for dtype in ("int8", "uint16", "int64", "float32", "complex128", "bool") if _valid(op, dtype)])
+def test_inputs_reduce_exactly_in_any_order(op, dtype):
+    """The inputs are chosen so that validation can compare bit for bit."""
+    red = mar.ops.reducer(bench._op(op), np.dtype(dtype))
+    xs = [bench.make_input(257, np.dtype(dtype), op, rank) for rank in range(6)]
+    forward, backward = xs[0].copy(), xs[-1].copy()
+    for x in xs[1:]:
+        red.combine(x.copy(), forward, RECEIVED_FIRST)
+    for x in reversed(xs[:-1]):
+        red.combine(x.copy(), backward, RECEIVED_FIRST)
+    assert np.array_equal(forward, backward)
+    assert len({x.tobytes() for x in xs}) == len(xs)  # ranks contribute different data
+
+
+def test_plot_draws_every_algorithm_into_a_png(tmp_path):
+    """Rank 0 alone draws the plot, so one rank tests it (matplotlib is slow to import)."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "out.png"
+    assert bench.main(["--sizes", "8:16", "--iterations", "2", "--quiet", "--plot", str(png)],
+                      comm=MPI.COMM_SELF) == bench.EXIT_OK
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# -- serial: the real command line under mpirun --------------------------------------------------------
+
+def _mpirun(ranks: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    if not MPIRUN.exists():
+        pytest.skip(f"no mpirun next to {sys.executable}")
+    command = [str(MPIRUN), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
+               "mpiallreduce.bench", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **MPI_ENV})
+
+
+def test_mpirun_bad_argument_exits_2_once_without_abort_or_traceback():
+    result = _mpirun(2, "--algorithms", "bogus")
+    assert result.returncode == bench.EXIT_USAGE, result.stderr
+    assert result.stderr.count("error: unknown algorithm 'bogus'") == 1, result.stderr
+    assert "Traceback" not in result.stderr and "MPI_ABORT" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_sweep_script_merges_rank_counts_into_one_json_and_plot(tmp_path):
+    if not MPIRUN.exists():
+        pytest.skip(f"no mpirun next to {sys.executable}")
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_sweep.py"), "--ranks", "1", "2",
+         "--json", str(out), "--plot", str(png), "--", "--sizes", "8:16", "--iterations", "2"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **MPI_ENV})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "# ranks: 1," in result.stdout and "# ranks: 2," in result.stdout  # the tables
+    assert "Traceback" not in result.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [(run["ranks"], run["status"], run["meta"]["ranks"]) for run in runs] == [(1, 0, 1),
+                                                                                      (2, 0, 2)]
+    assert all(len(run["rows"]) == 2 * len(bench.parse_algorithms("all")) for run in runs)
+    assert png.stat().st_size > 10_000
+
+
+# -- MPI: the bench in-process on COMM_WORLD ----------------------------------------------------------
+
+@pytest.fixture
+def shared_dir():
+    """A directory every rank sees (made on rank 0, removed after the test)."""
+    comm = MPI.COMM_WORLD
+    path = comm.bcast(tempfile.mkdtemp(prefix="mar-bench-") if comm.rank == 0 else None)
+    yield pathlib.Path(path)
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run(comm, argv) -> tuple[int, str]:
+    """Run bench.main on every rank; return (status, rank 0's stdout) on every rank."""
+    out = io.StringIO()
+    status = bench.main(argv, comm=comm, out=out)
+    text = comm.bcast(out.getvalue() if comm.rank == 0 else None)
+    assert comm.allgather(status) == [status] * comm.size
+    return status, text
+
+
+def _table(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            fields = line.split()
+            assert len(fields) == len(COLUMNS), line
+            row = dict(zip(COLUMNS, fields))
+            rows.append({k: v if k in ("algorithm", "check") else float(v) for k, v in row.items()})
+    return rows
+
+
+@pytest.mark.mpi
+def test_small_run_writes_well_formed_rows_json_and_csv(shared_dir):
+    comm, folder = MPI.COMM_WORLD, shared_dir
+    argv = SMALL + ["--json", str(folder / "out.json"), "--csv", str(folder / "out.csv")]
+    status, text = _run(comm, argv)
+    assert status == bench.EXIT_OK, text
+    p = comm.size
+    names = bench.parse_algorithms("all")
+    assert f"# ranks: {p}," in text and "# dtype: float32, op: SUM" in text
+    table = _table(text)
+    assert [(r["size"], r["algorithm"]) for r in table] == [
+        (s, a) for s in (8, 16, 32, 64) for a in names]
+    for row in table:
+        assert row["check"] == "ok"
+        assert 0 < row["min"] <= row["avg"] <= row["max"]
+        if row["algorithm"] == "native":
+            assert row["vs_native"] == 1.0
+    for name in names:
+        assert any(line.startswith(f"# {name}: mean busbw") for line in text.splitlines())
+    document = json.loads((folder / "out.json").read_text())
+    assert document["meta"]["ranks"] == p and document["meta"]["tool"] == "mpiallreduce.bench"
+    assert [(r["size"], r["algorithm"], r["check"]) for r in document["rows"]] == [
+        (r["size"], r["algorithm"], r["check"]) for r in table]
+    for row, printed in zip(document["rows"], table):
+        assert printed["avg"] == pytest.approx(row["avg_us"], abs=0.006)
+        assert row["count"] == row["size"] // 4 and row["iterations"] == 3 and row["warmup"] == 1
+        assert row["algbw_gbs"] == pytest.approx(row["size"] / row["avg_us"] / 1e3)
+        assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * 2 * (p - 1) / p)
+        native = next(r for r in document["rows"]
+                      if r["size"] == row["size"] and r["algorithm"] == "native")
+        assert row["vs_native"] == pytest.approx(native["avg_us"] / row["avg_us"])
+    lines = (folder / "out.csv").read_text().splitlines()
+    assert any(line.startswith("# mpi_library:") for line in lines)
+    records = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    assert [(int(r["size"]), r["algorithm"]) for r in records] == [
+        (r["size"], r["algorithm"]) for r in document["rows"]]
+    assert all(float(r["avg_us"]) == pytest.approx(j["avg_us"])
+               for r, j in zip(records, document["rows"]))
+
+
+@pytest.mark.mpi
+def test_in_place_integer_max_with_simulated_nodes_validates(monkeypatch):
+    monkeypatch.delenv(bench.RANKS_PER_NODE_ENV, raising=False)
+    comm = MPI.COMM_WORLD
+    status, text = _run(comm, ["--sizes", "2:16", "--iterations", "2", "--in-place",
+                               "--op", "max", "--dtype", "int16", "--ranks-per-node", "2"])
+    assert status == bench.EXIT_OK, text
+    assert os.environ[bench.RANKS_PER_NODE_ENV] == "2"
+    assert "ranks per node: 2 (simulated" in text and "in place: yes" in text
+    assert "sizes below one int16 element (2 B) skipped" not in text
+    table = _table(text)
+    assert {r["size"] for r in table} == {2, 4, 8, 16}
+    assert all(r["check"] == "ok" for r in table)
+
+
+class _Corrupting:
+    """A plan that runs the real one, then spoils one element: a deliberately broken algorithm."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def run(self):
+        out = self.plan.run()
+        out.flat[0] += 1
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.plan.free()
+
+
+@pytest.mark.mpi
+def test_broken_algorithm_fails_validation_and_exits_nonzero_on_every_rank(monkeypatch):
+    real_plan = mar.plan
+
+    def plan(*args, algorithm="auto", **kwargs):
+        made = real_plan(*args, algorithm=algorithm, **kwargs)
+        return _Corrupting(made) if algorithm == "ring" else made
+
+    monkeypatch.setattr(mar, "plan", plan)
+    status, text = _run(MPI.COMM_WORLD, SMALL + ["--algorithms", "ring"])
+    assert status == bench.EXIT_FAIL
+    table = _table(text)
+    assert {r["check"] for r in table if r["algorithm"] == "ring"} == {"FAIL"}
+    assert {r["check"] for r in table if r["algorithm"] == "native"} == {"ok"}
+    assert "# validation FAILED: ring at 8, ring at 16, ring at 32, ring at 64" in text
+
+
+@pytest.mark.mpi
+def test_broken_schedule_fails_validation(monkeypatch):
+    """A schedule that only reduce-scatters: every rank misses most of the result."""
+    comm = MPI.COMM_WORLD
+    if comm.size == 1:
+        pytest.skip("one rank has nothing to gather")  # same on every rank
+    from mpiallreduce import algorithms, api
+    from mpiallreduce.algorithms.ring import ring_reduce_scatter
+
+    broken = algorithms.Algorithm("ring", lambda rank, nranks, count, topology=None:
+                                  ring_reduce_scatter(rank, nranks, count), True, "broken")
+    monkeypatch.setitem(algorithms.REGISTRY, "ring", broken)
+    api._steps.cache_clear()
+    try:
+        status, text = _run(comm, ["--sizes", "64:128", "--iterations", "2",
+                                   "--algorithms", "ring"])
+    finally:
+        api._steps.cache_clear()
+    assert status == bench.EXIT_FAIL
+    assert "# validation FAILED: ring at 64, ring at 128" in text
+
+
+@pytest.mark.mpi
+def test_algorithm_that_refuses_is_skipped_with_a_note(monkeypatch):
+    real_plan = mar.plan
+
+    def plan(*args, algorithm="auto", **kwargs):
+        if algorithm == "ring":
+            raise ValueError("algorithm 'ring' refuses this case")
+        return real_plan(*args, algorithm=algorithm, **kwargs)
+
+    monkeypatch.setattr(mar, "plan", plan)
+    status, text = _run(MPI.COMM_WORLD, SMALL + ["--algorithms", "ring"])
+    assert status == bench.EXIT_OK
+    assert text.count("# ring skipped: algorithm 'ring' refuses this case") == 1
+    assert {r["algorithm"] for r in _table(text)} == {"native"}
+
+
+@pytest.mark.mpi
+def test_no_validate_and_quiet(shared_dir):
+    comm, folder = MPI.COMM_WORLD, shared_dir
+    status, text = _run(comm, SMALL + ["--no-validate", "--quiet", "--json",
+                                       str(folder / "q.json")])
+    assert status == bench.EXIT_OK and text == ""
+    rows = json.loads((folder / "q.json").read_text())["rows"]
+    assert rows and {r["check"] for r in rows} == {"-"}
