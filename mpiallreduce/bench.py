@@ -43,6 +43,8 @@ DEFAULT_SIZES = "8:16M"
 #: default iteration rule: MAX_ITERATIONS up to BUDGET_BYTES / MAX_ITERATIONS bytes, then fewer
 #: (about BUDGET_BYTES moved per rank and size), never under MIN_ITERATIONS.
 MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 1000, 20, 64 * 2**20
+_ITERATION_RULE = (f"min({MAX_ITERATIONS}, {BUDGET_BYTES // 2**20}M/size), "
+                   f"at least {MIN_ITERATIONS}")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
 
@@ -164,9 +166,7 @@ def build_parser(printing: bool = True) -> _Parser:
                         help=f"reduction, one of {', '.join(OP_NAMES)}; it must be defined for "
                              "the dtype (default: SUM)")
     parser.add_argument("--iterations", type=int, default=None, metavar="N",
-                        help=f"timed runs per size and algorithm (default: {MAX_ITERATIONS} up to "
-                             f"{human(BUDGET_BYTES // MAX_ITERATIONS)}, then "
-                             f"{human(BUDGET_BYTES)}/size, at least {MIN_ITERATIONS})")
+                        help=f"timed runs per size and algorithm (default: {_ITERATION_RULE})")
     parser.add_argument("--warmup", type=int, default=None, metavar="N",
                         help="untimed runs before timing (default: iterations/10, at least 1)")
     parser.add_argument("--in-place", action="store_true",
@@ -411,8 +411,7 @@ def metadata(comm, opts: Options) -> dict:
         "algorithms": opts.algorithms,
         "sizes": opts.sizes,
         "iterations": (f"fixed {opts.iterations}" if opts.iterations is not None else
-                       f"{MAX_ITERATIONS} up to {human(BUDGET_BYTES // MAX_ITERATIONS)}, then "
-                       f"{human(BUDGET_BYTES)}/size, at least {MIN_ITERATIONS}"),
+                       _ITERATION_RULE),
         "warmup": (f"fixed {opts.warmup}" if opts.warmup is not None else
                    "iterations/10, at least 1"),
         "timer": "MPI.Wtime",
