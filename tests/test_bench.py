@@ -106,6 +106,17 @@ def test_help_documents_every_option_with_its_default(capsys):
         assert phrase in text
 
 
+def test_ranks_per_node_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv(bench.RANKS_PER_NODE_ENV, "3")
+    assert bench.parse_args([]).ranks_per_node == 3
+    assert bench.parse_args(["--ranks-per-node", "2"]).ranks_per_node == 2
+    monkeypatch.setenv(bench.RANKS_PER_NODE_ENV, "two")
+    with pytest.raises(bench.UsageError, match="positive integer"):
+        bench.parse_args([])
+    monkeypatch.delenv(bench.RANKS_PER_NODE_ENV)
+    assert bench.parse_args([]).ranks_per_node is None
+
+
 def test_sizes_below_one_element_are_skipped_with_a_note():
     opts = bench.parse_args(["--sizes", "4:32", "--dtype", "complex128"])
     assert opts.sizes == [16, 32]
@@ -258,7 +269,7 @@ def test_small_run_writes_well_formed_rows_json_and_csv(shared_dir):
 
 @pytest.mark.mpi
 def test_in_place_integer_max_with_simulated_nodes_validates(monkeypatch):
-    monkeypatch.delenv(bench.RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.setenv(bench.RANKS_PER_NODE_ENV, "3")  # the flag wins; restored afterwards
     comm = MPI.COMM_WORLD
     status, text = _run(comm, ["--sizes", "2:16", "--iterations", "2", "--in-place",
                                "--op", "max", "--dtype", "int16", "--ranks-per-node", "2"])
