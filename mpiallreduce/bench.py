@@ -271,14 +271,16 @@ class Row:
 def make_input(count: int, dtype: np.dtype, op: str, rank: int, seed: int = 2024) -> np.ndarray:
     """Return this rank's input: small integers in ``dtype``, so every reduction order is exact.
 
-    PROD gets factors of magnitude one (three for unsigned types, which wrap the same way in any
-    order), the logical ops 0..2, SUM and the rest small signed values.
+    PROD gets factors of magnitude one (units 1, -1, 1j, -1j for complex; 1 and 3 for unsigned
+    types, which wrap the same way in any order), the logical ops 0..2, SUM and the rest small
+    values, whose sums stay exact in any floating type for any practical number of ranks.
     """
     rng = np.random.default_rng([seed, rank, count])
     if dtype == np.bool_:
         return rng.integers(0, 2, count).astype(bool)
     if op == "PROD":
-        values = rng.choice([1, 3] if dtype.kind == "u" else [-1, 1], count)
+        units = {"u": [1, 3], "c": [1, -1, 1j, -1j]}.get(dtype.kind, [-1, 1])
+        return rng.choice(np.array(units), count).astype(dtype)
     elif op in ("LAND", "LOR", "LXOR") or dtype.kind == "u":
         values = rng.integers(0, 3 if op in ("LAND", "LOR", "LXOR") else 8, count)
     else:
@@ -353,7 +355,7 @@ class _Case:
                 if opts.in_place:
                     self.recv[...] = self.x
                 else:
-                    self.recv.fill(99)  # a value no input here can reduce to
+                    self.recv.fill(99)  # so a run that writes nothing cannot pass
                 plan.run()
                 ok = bool(np.array_equal(self.recv, self.ref))
         ok = comm.allreduce(ok, op=MPI.LAND)
