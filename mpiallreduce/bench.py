@@ -209,6 +209,22 @@ class Options:
     quiet: bool
     notes: list[str]
 
+    @property
+    def width(self) -> int:
+        """Width of the algorithm column."""
+        return max(9, *(len(name) for name in self.algorithms))
+
+
+def check_outputs(opts: Options) -> None:
+    """Raise UsageError if an output file could not be written (before a long run, not after)."""
+    for flag in ("json", "csv", "plot"):
+        path = getattr(opts, flag)
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise UsageError(f"--{flag} {path}: folder {folder} does not exist or is not writable")
+
 
 def parse_args(argv=None, printing: bool = True) -> Options:
     """Parse and check a command line; raise UsageError (or _HelpShown) with the same outcome on
@@ -527,10 +543,9 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
     root = comm.rank == 0
     show = root and not opts.quiet
     topology = _topology(comm, opts.ranks_per_node)
-    width = max(9, *(len(a) for a in opts.algorithms))
     rows: list[Row] = []
     notes = list(opts.notes)
-    refused: dict[str, str] = {}
+    refused: set[tuple[str, str]] = set()  # (algorithm, reason), noted once each
     all_ok = True
     busfactor = 2 * (comm.size - 1) / comm.size
     for size in opts.sizes:
@@ -538,14 +553,13 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
         native_us = None
         lines = []
         for algorithm in opts.algorithms:
-            if algorithm in refused:
-                continue
             result = case.measure(algorithm, topology)
             if isinstance(result, str):
-                refused[algorithm] = result
-                notes.append(f"{algorithm} skipped: {result}")
-                if show:
-                    lines.append(f"# {algorithm} skipped: {result}")
+                if (algorithm, result) not in refused:
+                    refused.add((algorithm, result))
+                    notes.append(f"{algorithm} skipped: {result}")
+                    if show:
+                        lines.append(f"# {algorithm} skipped: {result}")
                 continue
             seconds, ok = result
             all_ok &= ok
@@ -560,7 +574,7 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
                       ("ok" if ok else "FAIL") if opts.validate else "-")
             rows.append(row)
             if show or (root and not ok):
-                lines.append(format_row(row, width))
+                lines.append(format_row(row, opts.width))
         if lines and root:
             print("\n".join(lines), file=out, flush=True)
     return rows, notes, all_ok
@@ -574,11 +588,14 @@ def main(argv=None, comm=None, out=None) -> int:
     error = None
     try:
         opts = parse_args(argv, printing=root)
+        if root:  # rank 0 alone writes files
+            check_outputs(opts)
     except _HelpShown:
         return EXIT_OK
     except UsageError as exc:
         error = str(exc)
-    # argv is the same everywhere, so ranks agree; this makes sure of it before any collective.
+    # argv is the same everywhere, so ranks agree on it; the output check is rank 0's alone.
+    # Sharing the verdicts makes every rank stop together, before any other collective.
     errors = comm.allgather(error)
     if any(errors):
         if root:
@@ -590,9 +607,8 @@ def main(argv=None, comm=None, out=None) -> int:
     if opts.ranks_per_node is not None:
         os.environ[RANKS_PER_NODE_ENV] = str(opts.ranks_per_node)
     meta = metadata(comm, opts)
-    width = max(9, *(len(a) for a in opts.algorithms))
     if root and not opts.quiet:
-        lines = header_lines(meta, width) + [f"# note: {note}" for note in opts.notes]
+        lines = header_lines(meta, opts.width) + [f"# note: {note}" for note in opts.notes]
         print("\n".join(lines), file=out, flush=True)
     rows, notes, all_ok = run(comm, opts, out)
     if root:

@@ -83,6 +83,7 @@ def test_all_means_every_algorithm_but_auto_and_native_always_runs_first():
     (["--ranks-per-node", "0"], "--ranks-per-node 0"),
     (["--sizes", "1:4", "--dtype", "float64"], "smaller than one float64"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--json", "/nonexistent/folder/out.json"], "does not exist"),
 ])
 def test_bad_arguments_exit_2_with_one_clear_message(argv, message, capsys):
     assert bench.main(argv) == bench.EXIT_USAGE
