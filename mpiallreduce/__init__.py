@@ -1,6 +1,6 @@
 """mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
 
-from .api import ALGORITHMS, allreduce, plan
+from .api import ALGORITHMS, allgather, allreduce, alltoall, bcast, plan, reduce_scatter
 from .errors import CollectiveTimeout, ScheduleError
 from .executor import Plan
 from .ops import AVG
@@ -8,4 +8,4 @@ from .ops import AVG
 __version__ = "0.1.0"
 
 __all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Plan", "ScheduleError", "__version__",
-           "allreduce", "plan"]
+           "allgather", "allreduce", "alltoall", "bcast", "plan", "reduce_scatter"]

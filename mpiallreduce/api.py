@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -9,11 +10,17 @@ import numpy as np
 from mpi4py import MPI
 
 from . import algorithms, select
-from .executor import NativePlan, Plan, scratch_size
+from .executor import Layout, NativePlan, Plan, scratch_size
 from .ops import DTYPES, OP_NAMES, Reducer, reducer
+from .partition import block, block_counts
 
 #: every name ``algorithm=`` accepts.
 ALGORITHMS: tuple[str, ...] = tuple(algorithms.REGISTRY) + ("native", "auto")
+#: the names each related collective's ``algorithm=`` accepts ("auto" means "native" for now).
+COLLECTIVE_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    collective: tuple(registry) + ("native", "auto")
+    for collective, registry in algorithms.COLLECTIVES.items()}
+_NO_OP = -3  # op field of collectives that combine nothing
 
 _UNKNOWN = -9  # signature field a rank could not determine (its own input was bad)
 
@@ -88,15 +95,31 @@ def _as_array(obj, name: str, writable: bool) -> np.ndarray:
     return array
 
 
-def _check_algorithm(name, red: Reducer) -> None:
-    if not isinstance(name, str) or name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
-    if name in ("native", "auto") or red.commutative:
+def _check_algorithm(name, red: Reducer | None, collective: str = "allreduce") -> None:
+    names = COLLECTIVE_ALGORITHMS[collective]
+    if not isinstance(name, str) or name not in names:
+        what = "algorithm" if collective == "allreduce" else f"{collective} algorithm"
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(names)}")
+    if name in ("native", "auto") or red is None or red.commutative:
         return
-    if algorithms.get(name).commutative_only:
-        keep = [n for n, a in algorithms.REGISTRY.items() if not a.commutative_only]
+    registry = algorithms.COLLECTIVES[collective]
+    if registry[name].commutative_only:
+        keep = [n for n, a in registry.items() if not a.commutative_only]
         raise ValueError(f"algorithm {name!r} reorders operands and needs a commutative op; "
                          f"for a non-commutative op use one of {', '.join(keep + ['native'])}")
+
+
+def _check_params(name: str, params: dict, collective: str = "allreduce") -> None:
+    """Raise TypeError for builder parameters the chosen algorithm does not take."""
+    if not params:
+        return
+    accepted = ([] if name in ("native", "auto") else
+                [k for k in algorithms.get(name, collective).params if k not in ("itemsize", "root")])
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        takes = f"takes {', '.join(accepted)}" if accepted else "takes no parameters"
+        raise TypeError(f"algorithm {name!r} got unexpected parameter(s) {', '.join(unknown)}; "
+                        f"it {takes}")
 
 
 @dataclass
@@ -105,18 +128,25 @@ class _Call:
 
     send: np.ndarray | None  # None: in place
     recv: np.ndarray
-    reducer: Reducer
+    reducer: Reducer | None  # None: a collective that combines nothing
     algorithm: str  # as requested ("auto" not yet resolved)
     topology: object
     comm: MPI.Intracomm
+    params: dict = field(default_factory=dict)
+    collective: str = "allreduce"
+    count: int | None = None  # elements of the whole vector, when not recv.size
+    root: int = 0
 
     @property
     def signature(self) -> list[int]:
-        return [0, self.recv.size, DTYPES.index(self.recv.dtype), self.reducer.index,
-                ALGORITHMS.index(self.algorithm)]
+        count = self.recv.size if self.count is None else self.count
+        op = _NO_OP if self.reducer is None else self.reducer.index
+        params = zlib.crc32(repr(sorted(self.params.items())).encode()) & 0x7FFFFFFF
+        return [0, count, DTYPES.index(self.recv.dtype), op,
+                COLLECTIVE_ALGORITHMS[self.collective].index(self.algorithm), self.root, params]
 
 
-def _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology) -> _Call:
+def _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology, params=None) -> _Call:
     if sendbuf is MPI.IN_PLACE:
         if recvbuf is None:
             raise ValueError("sendbuf is MPI.IN_PLACE, so recvbuf must hold the input and result")
@@ -139,10 +169,11 @@ def _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology) -> _Call:
                                  "to reduce in place")
     red = reducer(op, recv.dtype)
     _check_algorithm(algorithm, red)
-    return _Call(send, recv, red, algorithm, topology, comm)
+    _check_params(algorithm, params or {})
+    return _Call(send, recv, red, algorithm, topology, comm, dict(params or {}))
 
 
-def _describe(field_name: str, value: int) -> str:
+def _describe(field_name: str, value: int, names: tuple[str, ...] = ALGORITHMS) -> str:
     if value == _UNKNOWN:
         return "unknown (bad input)"
     if field_name == "dtype":
@@ -151,7 +182,7 @@ def _describe(field_name: str, value: int) -> str:
         return {-1: "a commutative user op", -2: "a non-commutative user op"}.get(
             value, OP_NAMES[value] if 0 <= value < len(OP_NAMES) else str(value))
     if field_name == "algorithm":
-        return ALGORITHMS[value]
+        return names[value]
     return str(value)
 
 
@@ -159,8 +190,11 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+_FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters")
+
+
 def _agree(private: MPI.Intracomm, what: str, signature: list[int],
-           error: Exception | None) -> None:
+           error: Exception | None, names: tuple[str, ...] = ALGORITHMS) -> None:
     """Raise the same exception on every rank if any rank's input was bad or ranks disagree."""
     mine = np.array(signature, dtype=np.int64)
     table = np.empty((private.Get_size(), mine.size), dtype=np.int64)
@@ -173,40 +207,52 @@ def _agree(private: MPI.Intracomm, what: str, signature: list[int],
             raise error
         raise kind(f"{what}: bad input on {_ranks(failed)}; rank {failed[0]}: {message}")
     problems = []
-    for column, name in enumerate(("", "count", "dtype", "op", "algorithm")):
+    for column, name in enumerate(_FIELDS):
         if column == 0 or (table[:, column] == table[0, column]).all():
             continue
         groups: dict[int, list[int]] = {}
         for rank, value in enumerate(table[:, column]):
             groups.setdefault(int(value), []).append(rank)
         problems.append(f"{name} differs: " + "; ".join(
-            f"{_describe(name, value)} on {_ranks(ranks)}" for value, ranks in groups.items()))
+            f"{_describe(name, value, names)} on {_ranks(ranks)}"
+            for value, ranks in groups.items()))
     if problems:
         raise ValueError(f"{what} called with different arguments on different ranks: "
                          + "; ".join(problems))
 
 
-def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check) -> _Call:
-    """Run the local checks and, with ``check``, the cross-rank agreement."""
+def _prepare(what, comm, check, local_checks, collective="allreduce") -> _Call:
+    """Run ``local_checks(comm)`` and, with ``check``, the cross-rank agreement."""
     comm = MPI.COMM_WORLD if comm is None else comm
     _check_comm(comm)
     if not check:
-        call = _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology)
+        call = local_checks(comm)
         _state(comm)
         return call
     call = error = None
     try:
-        call = _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology)
+        call = local_checks(comm)
         signature = call.signature
     except (TypeError, ValueError) as exc:
-        error, signature = exc, [1] + [_UNKNOWN] * 4
-    _agree(_state(comm).private, what, signature, error)
+        error, signature = exc, [1] + [_UNKNOWN] * (len(_FIELDS) - 1)
+    _agree(_state(comm).private, what, signature, error, COLLECTIVE_ALGORITHMS[collective])
     return call
 
 
 @lru_cache(maxsize=256)
-def _steps(name: str, rank: int, nranks: int, count: int, topology):
-    return algorithms.get(name).steps(rank, nranks, count, topology=topology)
+def _steps(name: str, rank: int, nranks: int, count: int, topology, params: tuple = (),
+           collective: str = "allreduce"):
+    algorithm = algorithms.get(name, collective)
+    return algorithm.steps(rank, nranks, count, topology=topology,
+                           **{**algorithm.params, **dict(params)})
+
+
+def _builder_params(name: str, call: _Call, collective: str = "allreduce") -> tuple:
+    """The builder parameters of a call: the user's, plus the dtype's itemsize where taken."""
+    params = dict(call.params)
+    if "itemsize" in algorithms.get(name, collective).params:
+        params["itemsize"] = call.recv.itemsize
+    return tuple(sorted(params.items()))
 
 
 def _build(call: _Call, persistent: bool, timeout: float | None) -> Plan:
@@ -218,7 +264,7 @@ def _build(call: _Call, persistent: bool, timeout: float | None) -> Plan:
         name = select.choose(nranks, call.recv.nbytes, call.reducer, call.topology)
     if name == "native":
         return NativePlan(private, call.send, call.recv, call.reducer, timeout=timeout)
-    steps = _steps(name, rank, nranks, call.recv.size, call.topology)
+    steps = _steps(name, rank, nranks, call.recv.size, call.topology, _builder_params(name, call))
     scratch = None
     if not persistent:
         scratch = state.scratch_for(call.recv.dtype, scratch_size(steps))
@@ -229,7 +275,7 @@ def _build(call: _Call, persistent: bool, timeout: float | None) -> Plan:
 # -- public functions -------------------------------------------------------------------------------
 
 def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
-              check=True, timeout=None):
+              check=True, timeout=None, **params):
     """Combine ``sendbuf`` from every rank with ``op`` and return the result on every rank.
 
     A drop-in for ``comm.Allreduce(sendbuf, recvbuf, op)`` that runs one of mpiallreduce's
@@ -247,22 +293,217 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         check: agree on count, dtype, op and algorithm across ranks first (one small native
             collective) so a mismatch raises the same ValueError everywhere instead of hanging.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever).
+        params: parameters of the named algorithm's schedule, e.g. ``segment_bytes=`` for
+            ``ring_segmented``; a parameter the algorithm does not take is a TypeError.
 
     Returns:
         The result array (``recvbuf`` when given).
     """
-    call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check)
+    call = _prepare("allreduce", comm, check, lambda comm: _local_checks(
+        sendbuf, recvbuf, op, comm, algorithm, topology, params))
     if call.recv.size == 0:
         return call.recv
     return _build(call, persistent=False, timeout=timeout).run()
 
 
 def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
-         check=True, timeout=None) -> Plan:
+         check=True, timeout=None, **params) -> Plan:
     """Bind an allreduce to its buffers once; ``run()`` repeats it with no allocation.
 
     Arguments as :func:`allreduce`. The cross-rank ``check`` runs once, here; ``run()`` trusts
     the buffers' contents and shapes thereafter. Use as a context manager or call ``free()``.
     """
-    call = _prepare("plan", sendbuf, recvbuf, op, comm, algorithm, topology, check)
+    call = _prepare("plan", comm, check, lambda comm: _local_checks(
+        sendbuf, recvbuf, op, comm, algorithm, topology, params))
     return _build(call, persistent=True, timeout=timeout)
+
+
+# -- related collectives: the same phase builders and executor -------------------------------------
+
+def _matching_recv(recvbuf, send: np.ndarray, size: int, what: str) -> np.ndarray:
+    """Return recvbuf checked against ``send``'s dtype and the ``size`` it must have (or a new one)."""
+    if recvbuf is None:
+        return np.empty(size, dtype=send.dtype)
+    recv = _as_array(recvbuf, "recvbuf", writable=True)
+    if recv.dtype != send.dtype:
+        raise TypeError(f"recvbuf has dtype {recv.dtype} but sendbuf has {send.dtype}; "
+                        f"they must match")
+    if recv.size != size:
+        raise ValueError(f"recvbuf has {recv.size} elements; {what} needs {size}")
+    if size and np.may_share_memory(send, recv):
+        raise ValueError("sendbuf and recvbuf overlap; pass separate buffers")
+    return recv
+
+
+def _no_in_place(sendbuf, what: str) -> None:
+    if sendbuf is MPI.IN_PLACE:
+        raise ValueError(f"{what} does not take MPI.IN_PLACE; pass sendbuf and recvbuf")
+
+
+def _run(call: _Call, count: int, layout: Layout, native, timeout) -> np.ndarray:
+    """Run a related collective: MPI's own (``native``) or a schedule through a Plan.
+
+    ``auto`` means ``native`` for these collectives, for the reason given in :mod:`.select`.
+    """
+    private = _state(call.comm).private
+    result = call.recv.reshape(-1)
+    if call.algorithm in ("native", "auto"):
+        if count:
+            native(private)
+            if call.reducer is not None and call.reducer.average:
+                np.divide(result, private.Get_size(), out=result)
+        return call.recv
+    if count == 0:
+        return call.recv
+    steps = _steps(call.algorithm, private.Get_rank(), private.Get_size(), count, None,
+                   _builder_params(call.algorithm, call, call.collective) + (
+                       (("root", call.root),) if call.collective == "bcast" else ()),
+                   call.collective)
+    scratch = _state(call.comm).scratch_for(call.recv.dtype, scratch_size(steps))
+    return Plan(private, steps, call.send, call.recv, call.reducer,
+                f"{call.collective} {call.algorithm}", persistent=False, scratch=scratch,
+                timeout=timeout, layout=layout).run()
+
+
+def reduce_scatter(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", check=True,
+                   timeout=None):
+    """Combine the full vector ``sendbuf`` across ranks; rank r gets block r of the result.
+
+    Blocks follow :func:`mpiallreduce.partition.block` (the first ``n % p`` blocks one element
+    longer), as ``comm.Reduce_scatter(sendbuf, recvbuf, block_counts(n, p), op)``.
+
+    Args:
+        sendbuf: this rank's full vector of n elements (any C-contiguous shape; read flat).
+        recvbuf: this rank's block, ``block(n, p, rank)`` in size; ``None`` allocates it (1-D).
+        op, comm, check, timeout: as for :func:`allreduce`.
+        algorithm: ``"ring"``, ``"recursive_halving"`` (both commutative ops only),
+            ``"native"`` or ``"auto"``.
+
+    Returns:
+        The result block (``recvbuf`` when given).
+    """
+    def local_checks(comm):
+        _no_in_place(sendbuf, "reduce_scatter")
+        send = _as_array(sendbuf, "sendbuf", writable=False)
+        lo, hi = block(send.size, comm.Get_size(), comm.Get_rank())
+        recv = _matching_recv(recvbuf, send, hi - lo,
+                              f"block {comm.Get_rank()} of {send.size} split {comm.Get_size()} ways")
+        red = reducer(op, send.dtype)
+        _check_algorithm(algorithm, red, "reduce_scatter")
+        return _Call(send, recv, red, algorithm, None, comm, collective="reduce_scatter",
+                     count=send.size)
+
+    call = _prepare("reduce_scatter", comm, check, local_checks, "reduce_scatter")
+    n, p = call.send.size, call.comm.Get_size()
+    lo, hi = block(n, p, call.comm.Get_rank())
+    work = np.empty(n, dtype=call.send.dtype) if call.algorithm not in ("native", "auto") else None
+    layout = None if work is None else Layout(
+        (work,), ((call.send.reshape(-1), work),), ((work[lo:hi], call.recv.reshape(-1)),))
+    native = lambda private: private.Reduce_scatter(call.send, call.recv, block_counts(n, p),
+                                                    call.reducer.mpi_op)
+    return _run(call, n, layout, native, timeout)
+
+
+def allgather(sendbuf, recvbuf, comm=None, algorithm="auto", check=True, timeout=None):
+    """Gather every rank's block into ``recvbuf`` on every rank.
+
+    Rank r contributes block r of ``recvbuf`` (``block(n, p, r)`` elements, n = recvbuf.size),
+    as ``comm.Allgatherv(sendbuf, [recvbuf, block_counts(n, p)])``.
+
+    Args:
+        sendbuf: this rank's block, or ``MPI.IN_PLACE`` when it already sits in ``recvbuf``.
+        recvbuf: the full result vector (required: its size says how many elements are gathered).
+        comm, check, timeout: as for :func:`allreduce`.
+        algorithm: ``"ring"``, ``"recursive_doubling"``, ``"native"`` or ``"auto"``.
+
+    Returns:
+        ``recvbuf``.
+    """
+    def local_checks(comm):
+        if recvbuf is None:
+            raise ValueError("allgather needs recvbuf: its size is the count gathered")
+        recv = _as_array(recvbuf, "recvbuf", writable=True)
+        lo, hi = block(recv.size, comm.Get_size(), comm.Get_rank())
+        send = None
+        if sendbuf is not MPI.IN_PLACE:
+            send = _as_array(sendbuf, "sendbuf", writable=False)
+            if send.dtype != recv.dtype:
+                raise TypeError(f"recvbuf has dtype {recv.dtype} but sendbuf has {send.dtype}; "
+                                f"they must match")
+            if send.size != hi - lo:
+                raise ValueError(f"sendbuf has {send.size} elements; rank {comm.Get_rank()} "
+                                 f"contributes block {comm.Get_rank()} of {recv.size} split "
+                                 f"{comm.Get_size()} ways: {hi - lo}")
+        _check_algorithm(algorithm, None, "allgather")
+        return _Call(send, recv, None, algorithm, None, comm, collective="allgather")
+
+    call = _prepare("allgather", comm, check, local_checks, "allgather")
+    n, p = call.recv.size, call.comm.Get_size()
+    result = call.recv.reshape(-1)
+    lo, hi = block(n, p, call.comm.Get_rank())
+    load = () if call.send is None else ((call.send.reshape(-1), result[lo:hi]),)
+    send = MPI.IN_PLACE if call.send is None else call.send
+    native = lambda private: private.Allgatherv(send, [result, block_counts(n, p)])
+    return _run(call, n, Layout((result,), load), native, timeout)
+
+
+def bcast(buf, root=0, comm=None, algorithm="auto", check=True, timeout=None):
+    """Broadcast ``buf`` from ``root`` to every rank, in place, as ``comm.Bcast(buf, root)``.
+
+    Args:
+        buf: the vector: input on the root, output everywhere (writable on every rank).
+        root: the rank that holds the data.
+        comm, check, timeout: as for :func:`allreduce`.
+        algorithm: ``"binomial"``, ``"scatter_allgather"`` (van de Geijn: binomial scatter then
+            ring allgather, for large messages), ``"native"`` or ``"auto"``.
+
+    Returns:
+        ``buf``.
+    """
+    def local_checks(comm):
+        array = _as_array(buf, "buf", writable=True)
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
+                or not 0 <= root < comm.Get_size():
+            raise ValueError(f"root must be a rank of comm (0..{comm.Get_size() - 1}), got {root!r}")
+        _check_algorithm(algorithm, None, "bcast")
+        return _Call(None, array, None, algorithm, None, comm, collective="bcast",
+                     root=int(root))
+
+    call = _prepare("bcast", comm, check, local_checks, "bcast")
+    native = lambda private: private.Bcast(call.recv, call.root)
+    return _run(call, call.recv.size, Layout((call.recv.reshape(-1),)), native, timeout)
+
+
+def alltoall(sendbuf, recvbuf=None, comm=None, algorithm="auto", check=True, timeout=None):
+    """Send block j of ``sendbuf`` to rank j; block i of ``recvbuf`` comes from rank i.
+
+    As ``comm.Alltoall(sendbuf, recvbuf)``: the n elements of ``sendbuf`` (n divisible by p)
+    are p equal blocks.
+
+    Args:
+        sendbuf: this rank's n elements (any C-contiguous shape; read flat).
+        recvbuf: n elements of the same dtype; ``None`` allocates one shaped like sendbuf.
+        comm, check, timeout: as for :func:`allreduce`.
+        algorithm: ``"pairwise"`` (p-1 exchanges with rank ± s), ``"native"`` or ``"auto"``.
+
+    Returns:
+        The result array (``recvbuf`` when given).
+    """
+    def local_checks(comm):
+        _no_in_place(sendbuf, "alltoall")
+        send = _as_array(sendbuf, "sendbuf", writable=False)
+        if send.size % comm.Get_size():
+            raise ValueError(f"sendbuf has {send.size} elements, not a multiple of the "
+                             f"{comm.Get_size()} ranks: alltoall sends equal blocks")
+        recv = (np.empty_like(send) if recvbuf is None
+                else _matching_recv(recvbuf, send, send.size, "alltoall"))
+        _check_algorithm(algorithm, None, "alltoall")
+        return _Call(send, recv, None, algorithm, None, comm, collective="alltoall")
+
+    call = _prepare("alltoall", comm, check, local_checks, "alltoall")
+    n, p, rank = call.send.size, call.comm.Get_size(), call.comm.Get_rank()
+    send, result = call.send.reshape(-1), call.recv.reshape(-1)
+    lo, hi = block(n, p, rank)
+    layout = Layout((send, result), ((send[lo:hi], result[lo:hi]),))
+    native = lambda private: private.Alltoall(call.send, call.recv)
+    return _run(call, 2 * n, layout, native, timeout)

@@ -41,20 +41,85 @@ class _BoundStep:
     sends: list  # (peer, view)
     combines: list
     requests: list  # persistent requests (persistent plans only)
+    defer: bool = False  # combine after posting the next step (see _deferrable)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a schedule's working space lives, and what is copied in before and out after.
+
+    ``regions`` are flat arrays laid end to end: the schedule's element ``i`` is element ``i`` of
+    their concatenation (allreduce: the result buffer alone; alltoall: send then receive
+    buffer). ``load`` and ``store`` are ``(source, destination)`` pairs of equal-sized flat
+    arrays copied before the first step and after the last one.
+    """
+
+    regions: tuple[np.ndarray, ...]
+    load: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    store: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+
+    @classmethod
+    def allreduce(cls, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Layout:
+        """Work in ``recvbuf``; copy ``sendbuf`` (unless in place) into it first."""
+        result = recvbuf.reshape(-1)
+        load = () if sendbuf is None else ((sendbuf.reshape(-1), result),)
+        return cls((result,), load)
+
+    def view(self, start: int, stop: int) -> np.ndarray:
+        """Return the view of schedule elements ``[start, stop)``, which lie in one region."""
+        offset = 0
+        for region in self.regions:
+            end = offset + region.size
+            if start < end:
+                if stop > end:
+                    raise ValueError(f"range [{start}, {stop}) straddles two buffers")
+                return region[start - offset:stop - offset]
+            offset = end
+        raise ValueError(f"range [{start}, {stop}) outside the working space of {offset}")
 
 
 def _overlaps(start: int, stop: int, ranges) -> bool:
     return any(start < hi and lo < stop for lo, hi in ranges)
 
 
+def _scratch_recvs(step: Step) -> list:
+    """Receives of a step that land in scratch: reduces, and copies into a range being sent."""
+    sent = [(s.start, s.stop) for s in step.sends]
+    return [r for r in step.recvs
+            if r.size and (r.action != COPY or _overlaps(r.start, r.stop, sent))]
+
+
+def _deferrable(step: Step, following: Step | None) -> bool:
+    """May ``step``'s combines wait until ``following``'s messages are posted?
+
+    Yes when ``following`` neither sends nor receives into any range those combines write: the
+    combines then overlap the next step's transfers (a pipelined schedule's segments) and nobody
+    can tell. Scratch is double-buffered for such plans, so the receives never collide there.
+    """
+    targets = [(r.start, r.stop) for r in _scratch_recvs(step)]
+    if not targets or following is None:
+        return False
+    touched = [(m.start, m.stop) for m in (*following.sends, *following.recvs) if m.size]
+    return not any(_overlaps(lo, hi, touched) for lo, hi in targets)
+
+
+def _nonempty(steps: tuple[Step, ...]) -> list[tuple[int, Step]]:
+    return [(index, step) for index, step in enumerate(steps) if step]
+
+
+def _scratch_plan(steps: tuple[Step, ...]) -> tuple[int, list[bool]]:
+    """Return (scratch elements one step needs, whether each non-empty step is deferrable)."""
+    active = [step for _, step in _nonempty(steps)]
+    need = max((sum(r.size for r in _scratch_recvs(step)) for step in active), default=0)
+    defer = [_deferrable(step, active[i + 1] if i + 1 < len(active) else None)
+             for i, step in enumerate(active)]
+    return need, defer
+
+
 def scratch_size(steps: tuple[Step, ...]) -> int:
-    """Elements of scratch the steps need at once: receives that must not land in place."""
-    need = 0
-    for step in steps:
-        sent = [(s.start, s.stop) for s in step.sends]
-        need = max(need, sum(r.size for r in step.recvs
-                             if r.action != COPY or _overlaps(r.start, r.stop, sent)))
-    return need
+    """Elements of scratch the steps need at once (twice a step's need if combines are deferred)."""
+    need, defer = _scratch_plan(steps)
+    return need * (2 if any(defer) else 1)
 
 
 class Plan:
@@ -66,35 +131,47 @@ class Plan:
     """
 
     def __init__(self, comm: MPI.Intracomm, steps: tuple[Step, ...], sendbuf: np.ndarray | None,
-                 recvbuf: np.ndarray, reducer: Reducer, algorithm: str, *,
+                 recvbuf: np.ndarray, reducer: Reducer | None, algorithm: str, *,
                  persistent: bool = True, scratch: np.ndarray | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, layout: Layout | None = None):
+        """Bind ``steps`` to buffers.
+
+        By default (allreduce) the schedule works in ``recvbuf`` and ``sendbuf`` is copied into it
+        first; other collectives pass a :class:`Layout`. ``recvbuf`` is what ``run()`` returns
+        (and divides by p for AVG). ``reducer`` may be ``None`` for collectives that only copy.
+        """
         self.comm = comm
         self.algorithm = algorithm
         self.reducer = reducer
         self.timeout = timeout
         self.sendbuf = sendbuf
         self.recvbuf = recvbuf
-        self._send = None if sendbuf is None else sendbuf.reshape(-1)
+        self._layout = layout or Layout.allreduce(sendbuf, recvbuf)
         self._result = recvbuf.reshape(-1)
+        self._average = reducer is not None and reducer.average
         self._nranks = comm.Get_size()
         self._persistent = persistent
         self._broken: str | None = None
         self._freed = False
-        need = scratch_size(steps)
-        if scratch is None or scratch.size < need or scratch.dtype != recvbuf.dtype:
-            scratch = np.empty(need, dtype=recvbuf.dtype)
+        need, defer = _scratch_plan(steps)
+        total = need * (2 if any(defer) else 1)
+        if scratch is None or scratch.size < total or scratch.dtype != recvbuf.dtype:
+            scratch = np.empty(total, dtype=recvbuf.dtype)
         self._scratch = scratch
-        self._steps = [self._bind(index, step) for index, step in enumerate(steps) if step]
+        # Consecutive steps receive into alternate halves of the scratch when combines are
+        # deferred, so a deferred combine never reads a buffer the next step is filling.
+        self._steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
+                                  defer[position])
+                       for position, (index, step) in enumerate(_nonempty(steps))]
 
-    def _bind(self, index: int, step: Step) -> _BoundStep:
-        result, scratch = self._result, self._scratch
+    def _bind(self, index: int, step: Step, offset: int, defer: bool) -> _BoundStep:
+        view_of, scratch = self._layout.view, self._scratch
         sent = [(s.start, s.stop) for s in step.sends]
-        recvs, combines, offset = [], [], 0
+        recvs, combines = [], []
         for recv in step.recvs:
             if recv.size == 0:
                 continue
-            target = result[recv.start:recv.stop]
+            target = view_of(recv.start, recv.stop)
             if recv.action == COPY and not _overlaps(recv.start, recv.stop, sent):
                 recvs.append((recv.peer, target))  # lands in place: no scratch, no copy
                 continue
@@ -102,13 +179,13 @@ class Plan:
             offset += recv.size
             recvs.append((recv.peer, view))
             combines.append(_Combine(view, target, recv.action, recv.order))
-        sends = [(s.peer, result[s.start:s.stop]) for s in step.sends if s.size]
+        sends = [(s.peer, view_of(s.start, s.stop)) for s in step.sends if s.size]
         requests = []
         if self._persistent:
             tag = index % _TAG_SPAN
             requests = ([self.comm.Recv_init(view, peer, tag) for peer, view in recvs]
                         + [self.comm.Send_init(view, peer, tag) for peer, view in sends])
-        return _BoundStep(index, recvs, sends, combines, requests)
+        return _BoundStep(index, recvs, sends, combines, requests, defer)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -125,8 +202,9 @@ class Plan:
             raise ValueError(f"this plan is unusable after an earlier failure: {self._broken}")
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._send is not None:
-            np.copyto(self._result, self._send)
+        for source, destination in self._layout.load:
+            np.copyto(destination, source)
+        pending = None  # a step whose combines wait until the next step's messages are posted
         for bound in self._steps:
             if self._persistent:
                 requests = bound.requests
@@ -135,20 +213,33 @@ class Plan:
                 tag = bound.index % _TAG_SPAN
                 requests = ([self.comm.Irecv(view, peer, tag) for peer, view in bound.recvs]
                             + [self.comm.Isend(view, peer, tag) for peer, view in bound.sends])
+            if pending is not None:
+                self._combine(pending)  # overlaps this step's transfers
             if deadline is None:
                 MPI.Request.Waitall(requests)
             else:
                 self._wait_until(requests, bound, deadline, timeout)
-            for combine in bound.combines:
-                if combine.action == COPY:
-                    np.copyto(combine.target, combine.scratch)
-                else:
-                    self.reducer.combine(combine.scratch, combine.target, combine.order)
-        if self.reducer.average:
+            if bound.defer:
+                pending = bound
+            else:
+                self._combine(bound)
+                pending = None
+        if pending is not None:
+            self._combine(pending)
+        for source, destination in self._layout.store:
+            np.copyto(destination, source)
+        if self._average:
             np.divide(self._result, self._nranks, out=self._result)
         return self.recvbuf
 
     __call__ = run
+
+    def _combine(self, bound: _BoundStep) -> None:
+        for combine in bound.combines:
+            if combine.action == COPY:
+                np.copyto(combine.target, combine.scratch)
+            else:
+                self.reducer.combine(combine.scratch, combine.target, combine.order)
 
     def _wait_until(self, requests, bound: _BoundStep, deadline: float, timeout: float) -> None:
         """Poll the step's requests until done or ``deadline``; on expiry cancel and raise."""

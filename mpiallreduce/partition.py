@@ -36,3 +36,9 @@ def segments(start: int, stop: int, size: int) -> list[tuple[int, int]]:
     if size < 1:
         raise ValueError(f"segment size must be >= 1 element, got {size}")
     return [(lo, min(lo + size, stop)) for lo in range(start, stop, size)] or [(start, stop)]
+
+
+def sub_block(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
+    """Return piece ``index`` of ``[start, stop)`` split ``parts`` ways (block distribution)."""
+    lo, hi = block(stop - start, parts, index)
+    return start + lo, start + hi

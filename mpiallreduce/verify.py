@@ -12,6 +12,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 from .errors import ScheduleError
+from .partition import block
 from .schedule import COPY, LOCAL_FIRST, RECEIVED_FIRST, REDUCE, Schedule
 
 #: contents of a range: ordered tuple of contributing ranks; ``None`` means undefined data.
@@ -111,6 +112,70 @@ def allreduce_expected(nranks: int) -> Callable[[int, int], Segments]:
     """Final state of an allreduce: every element holds every rank, in rank order."""
     every = tuple(range(nranks))
     return lambda rank, count: [(0, count, every)]
+
+
+def reduce_scatter_expected(nranks: int) -> Callable[[int, int], Segments]:
+    """Final state of a reduce-scatter: rank r's block (partition.block) holds every rank."""
+    every = tuple(range(nranks))
+    return lambda rank, count: [(*block(count, nranks, rank), every)]
+
+
+def allgather_initial(nranks: int) -> Callable[[int, int], Segments]:
+    """Initial state of an allgather: rank r holds only its own block."""
+    return lambda rank, count: [(*block(count, nranks, rank), (rank,))]
+
+
+def allgather_expected(nranks: int) -> Callable[[int, int], Segments]:
+    """Final state of an allgather: block j holds rank j's contribution, on every rank."""
+    return lambda rank, count: [(*block(count, nranks, j), (j,)) for j in range(nranks)]
+
+
+def bcast_initial(root: int) -> Callable[[int, int], Segments]:
+    """Initial state of a broadcast: the root holds its vector, the others nothing."""
+    return lambda rank, count: [(0, count, (root,))] if rank == root else []
+
+
+def bcast_expected(root: int) -> Callable[[int, int], Segments]:
+    """Final state of a broadcast: every rank holds the root's vector."""
+    return lambda rank, count: [(0, count, (root,))]
+
+
+def _alltoall_blocks(nranks: int, count: int, region: int, label) -> Segments:
+    n = count // 2
+    return [(region * n + lo, region * n + hi, label(j))
+            for j, (lo, hi) in enumerate(block(n, nranks, j) for j in range(nranks))]
+
+
+def alltoall_initial(nranks: int) -> Callable[[int, int], Segments]:
+    """Initial state of an alltoall over send-then-receive space of ``count`` = 2n elements.
+
+    Contents are ``(source, destination)`` labels: send block j of rank r is ``(r, j)``; the
+    rank's own block is already in place in the receive half (the executor copies it locally).
+    """
+    def initial(rank, count):
+        own = _alltoall_blocks(nranks, count, 1, lambda j: (rank, rank))[rank]
+        return _alltoall_blocks(nranks, count, 0, lambda j: (rank, j)) + [own]
+    return initial
+
+
+def alltoall_expected(nranks: int) -> Callable[[int, int], Segments]:
+    """Final state of an alltoall: receive block j of rank r holds ``(j, r)``."""
+    return lambda rank, count: _alltoall_blocks(nranks, count, 1, lambda j: (j, rank))
+
+
+def collective_states(collective: str, nranks: int, root: int = 0):
+    """Return ``(initial, expected)`` for :func:`verify` of a schedule of ``collective``."""
+    if collective == "allreduce":
+        return allreduce_initial, allreduce_expected(nranks)
+    if collective == "reduce_scatter":
+        return allreduce_initial, reduce_scatter_expected(nranks)
+    if collective == "allgather":
+        return allgather_initial(nranks), allgather_expected(nranks)
+    if collective == "bcast":
+        return bcast_initial(root), bcast_expected(root)
+    if collective == "alltoall":
+        return alltoall_initial(nranks), alltoall_expected(nranks)
+    raise ValueError(f"unknown collective {collective!r}")
 
 
 def verify(schedule: Schedule,

@@ -1,9 +1,12 @@
 """Algorithm registry: name -> per-rank schedule builder. No MPI is imported here.
 
 A builder is ``build(rank, nranks, count, topology=None, **params) -> list[Step]``: the steps of
-one rank. :func:`build` assembles every rank's steps into a :class:`~mpiallreduce.schedule.Schedule`
-for the verifier and the cost model; the executor asks only for its own rank's steps, so a plan on
-rank r of a large communicator never builds the other ranks' programs.
+one rank. Allreduce builders live in :data:`REGISTRY`; the related collectives (reduce_scatter,
+allgather, bcast, alltoall) have registries of their own in :data:`COLLECTIVES`, filled by the
+same decorator with ``collective=``. :func:`build` assembles every rank's steps into a
+:class:`~mpiallreduce.schedule.Schedule` for the verifier and the cost model; the executor asks
+only for its own rank's steps, so a plan on rank r of a large communicator never builds the
+other ranks' programs.
 """
 
 from __future__ import annotations
@@ -29,33 +32,43 @@ class Algorithm:
         return tuple(self.builder(rank, nranks, count, topology=topology, **params))
 
 
-#: name -> Algorithm, filled by :func:`register` as algorithm modules are imported.
+#: name -> Algorithm for allreduce, filled by :func:`register` as algorithm modules are imported.
 REGISTRY: dict[str, Algorithm] = {}
+#: collective -> (name -> Algorithm); "allreduce" is :data:`REGISTRY`.
+COLLECTIVES: dict[str, dict[str, Algorithm]] = {
+    "allreduce": REGISTRY, "reduce_scatter": {}, "allgather": {}, "bcast": {}, "alltoall": {}}
 
 
-def register(name: str, *, commutative_only: bool, **defaults):
-    """Register a per-rank schedule builder under ``name``."""
+def register(name: str, *, commutative_only: bool, collective: str = "allreduce", **defaults):
+    """Register a per-rank schedule builder under ``name`` for ``collective``.
+
+    ``defaults`` names the builder's keyword parameters (and their defaults) that callers may
+    set, e.g. through ``mar.plan(..., segment_bytes=...)``.
+    """
 
     def decorate(builder: Callable) -> Callable:
         summary = (builder.__doc__ or "").strip().splitlines()[0] if builder.__doc__ else ""
-        REGISTRY[name] = Algorithm(name, builder, commutative_only, summary, dict(defaults))
+        COLLECTIVES[collective][name] = Algorithm(name, builder, commutative_only, summary,
+                                                  dict(defaults))
         return builder
 
     return decorate
 
 
-def get(name: str) -> Algorithm:
+def get(name: str, collective: str = "allreduce") -> Algorithm:
     """Return the registered algorithm ``name`` or raise ValueError listing the known names."""
+    registry = COLLECTIVES[collective]
     try:
-        return REGISTRY[name]
+        return registry[name]
     except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of "
-                         f"{', '.join(sorted(REGISTRY))}") from None
+        raise ValueError(f"unknown {collective} algorithm {name!r}; choose one of "
+                         f"{', '.join(registry)}") from None
 
 
-def build(name: str, nranks: int, count: int, topology=None, **params) -> Schedule:
+def build(name: str, nranks: int, count: int, topology=None, collective: str = "allreduce",
+          **params) -> Schedule:
     """Build the whole schedule of algorithm ``name`` for ``nranks`` ranks and ``count`` elements."""
-    algorithm = get(name)
+    algorithm = get(name, collective)
     merged = {**algorithm.params, **params}
     ranks = tuple(algorithm.steps(rank, nranks, count, topology=topology, **merged)
                   for rank in range(nranks))
@@ -64,4 +77,5 @@ def build(name: str, nranks: int, count: int, topology=None, **params) -> Schedu
 
 
 # Importing the modules fills REGISTRY.
-from . import ring  # noqa: E402,F401
+from . import ring, ring_segmented, tree, recursive_doubling, rabenseifner  # noqa: E402,F401,I001
+from . import collectives  # noqa: E402,F401

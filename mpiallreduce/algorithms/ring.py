@@ -12,17 +12,18 @@ from ..schedule import COPY, REDUCE, Recv, Send, Step, step
 from . import register
 
 
-def ring_reduce_scatter(rank: int, nranks: int, count: int) -> list[Step]:
-    """Return rank's p-1 ring steps after which it holds the reduced block ``(rank + 1) % p``.
+def ring_reduce_scatter(rank: int, nranks: int, count: int, owned: int = 1) -> list[Step]:
+    """Return rank's p-1 ring steps after which it holds the reduced block ``(rank + owned) % p``.
 
     Each rank sends the block it has accumulated to its right neighbour and reduces the block
-    arriving from its left neighbour into its own copy.
+    arriving from its left neighbour into its own copy. ``owned=1`` suits the allgather that
+    follows in allreduce; ``owned=0`` gives MPI's reduce-scatter layout (rank r gets block r).
     """
     right, left = (rank + 1) % nranks, (rank - 1) % nranks
     steps = []
     for s in range(nranks - 1):
-        send_block = block(count, nranks, (rank - s) % nranks)
-        recv_block = block(count, nranks, (rank - s - 1) % nranks)
+        send_block = block(count, nranks, (rank + owned - 1 - s) % nranks)
+        recv_block = block(count, nranks, (rank + owned - 2 - s) % nranks)
         steps.append(step([Send(right, *send_block)], [Recv(left, *recv_block, REDUCE)]))
     return steps
 
