@@ -107,3 +107,27 @@ def assert_identical_across_ranks(comm, out: np.ndarray) -> None:
 def awkward_counts(p: int) -> list[int]:
     """Counts that stress chunking: 0, 1, below p, not divisible by p, a prime, large."""
     return sorted({0, 1, max(p - 1, 0), p, p + 1, 2 * p + 1, 97, 100_003})
+
+
+_LOW = np.uint64(0xFFFFFFFF)
+
+
+def affine_compose(inbuf, inoutbuf, datatype):
+    """``inout = in ∘ inout`` for affine maps ``x -> a·x + b (mod 2**32)`` packed as ``a << 32 | b``.
+
+    ``(a, b) ∘ (c, d) = (a·c, a·d + b)``: associative, not commutative, and elementwise on uint64,
+    as MPI requires of an op on a predefined datatype (algorithms split vectors anywhere).
+    """
+    x = np.frombuffer(inbuf, dtype=np.uint64)
+    y = np.frombuffer(inoutbuf, dtype=np.uint64)
+    a, b = x >> 32, x & _LOW
+    c, d = y >> 32, y & _LOW
+    y[:] = (((a * c) & _LOW) << 32) | ((a * d + b) & _LOW)
+
+
+def affine_maps(comm, count: int, seed: int = 0) -> np.ndarray:
+    """This rank's packed affine maps for :func:`affine_compose`."""
+    rng = np.random.default_rng([seed, comm.rank, count])
+    a = rng.integers(1, 2**32, count, dtype=np.uint64)
+    b = rng.integers(0, 2**32, count, dtype=np.uint64)
+    return (a << np.uint64(32)) | b

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_native, awkward_counts, contribution
+from conftest import (
+    affine_compose,
+    affine_maps,
+    assert_identical_across_ranks,
+    assert_matches_native,
+    awkward_counts,
+    contribution,
+)
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -96,32 +103,26 @@ def test_commutative_user_op(algorithm):
         op.Free()
 
 
-def _affine(inbuf, inoutbuf, datatype):
-    # (a, b) ∘ (c, d) = (a·c, a·d + b): composing affine maps, associative but not commutative
-    x = np.frombuffer(inbuf, dtype=np.int64).reshape(-1, 2)
-    y = np.frombuffer(inoutbuf, dtype=np.int64).reshape(-1, 2)
-    a, b = x[:, 0].copy(), x[:, 1].copy()
-    y[:, 1] = a * y[:, 1] + b
-    y[:, 0] = a * y[:, 0]
-
-
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
     comm = MPI.COMM_WORLD
-    op = MPI.Op.Create(_affine, commute=False)
+    op = MPI.Op.Create(affine_compose, commute=False)
     try:
-        rng = np.random.default_rng(comm.rank)
-        x = rng.integers(-3, 4, size=(50, 2)).astype(np.int64)
-        ref = np.empty_like(x)
-        comm.Allreduce(x, ref, op=op)
-        needs_commutative = (algorithm in mar.ALGORITHMS and algorithm not in ("native", "auto")
+        needs_commutative = (algorithm not in ("native", "auto")
                              and mar.algorithms.get(algorithm).commutative_only)
-        if needs_commutative:
-            with pytest.raises(ValueError, match="commutative"):
-                mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
-        else:
-            out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
-            assert np.array_equal(out, ref)
+        for count in sorted({1, comm.size + 1, 2 * comm.size - 1, 97, 1000}):
+            x = affine_maps(comm, count)
+            ref = np.empty_like(x)
+            comm.Allreduce(x, ref, op=op)
+            if needs_commutative:
+                with pytest.raises(ValueError, match="commutative op; for a non-commutative op "
+                                                     "use one of tree, recursive_doubling, "
+                                                     "rabenseifner, native"):
+                    mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
+            else:
+                out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
+                assert np.array_equal(out, ref)
+                assert_identical_across_ranks(comm, out)
     finally:
         op.Free()
 
@@ -186,3 +187,40 @@ def test_ring_messages_do_not_match_user_messages():
     assert_matches_native(comm, x, out, MPI.SUM)
     comm.Send(np.zeros(1), dest=comm.rank, tag=7)
     req.Wait()
+
+
+@pytest.mark.parametrize("segment_bytes", [24, 4096])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
+def test_ring_segmented_with_many_segments(comm, segment_bytes, in_place):
+    """Small segments force many pipelined steps (and deferred combines) on small counts."""
+    for count in sorted({1, comm.size - 1, comm.size + 1, 97, 1000}):
+        for dtype in ("float64", "int32"):
+            x = contribution(comm, count, dtype)
+            if in_place:
+                out = x.copy()
+                mar.allreduce(MPI.IN_PLACE, out, comm=comm, algorithm="ring_segmented",
+                              segment_bytes=segment_bytes)
+            else:
+                out = mar.allreduce(x, comm=comm, algorithm="ring_segmented",
+                                    segment_bytes=segment_bytes)
+            assert_matches_native(comm, x, out, MPI.SUM)
+
+
+def test_ring_segmented_plan_with_small_segments_repeats():
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 2000, "float64")
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm, algorithm="ring_segmented", segment_bytes=256) as p:
+        for round_ in range(3):
+            x[:] = contribution(comm, 2000, "float64", seed=round_)
+            p.run()
+            assert_matches_native(comm, x, out, MPI.SUM)
+
+
+def test_algorithm_parameters_are_checked():
+    comm = MPI.COMM_WORLD
+    x = np.ones(10)
+    with pytest.raises(TypeError, match="'ring' got unexpected parameter.*segment_bytes.*takes no"):
+        mar.allreduce(x, comm=comm, algorithm="ring", segment_bytes=64)
+    with pytest.raises(TypeError, match="takes segment_bytes"):
+        mar.allreduce(x, comm=comm, algorithm="ring_segmented", segment=64)

@@ -5,9 +5,12 @@ import dataclasses
 import pytest
 
 from mpiallreduce import ScheduleError
-from mpiallreduce.algorithms import REGISTRY, build
+from mpiallreduce.algorithms import COLLECTIVES, REGISTRY, build
+from mpiallreduce.algorithms.phases import owned_slots
+from mpiallreduce.algorithms.ring import ring_reduce_scatter
+from mpiallreduce.executor import _scratch_plan, scratch_size
 from mpiallreduce.schedule import COPY, LOCAL_FIRST, REDUCE, Recv, Schedule, Send, step
-from mpiallreduce.verify import verify
+from mpiallreduce.verify import collective_states, verify
 
 
 def awkward(p):
@@ -103,3 +106,91 @@ def test_rejects_out_of_range_and_bad_peers():
 def test_ring_refuses_rank_order():
     with pytest.raises(ScheduleError, match="rank order"):
         verify(build("ring", 4, 8), ordered=True)
+
+
+@pytest.mark.parametrize("p", range(1, 18))
+@pytest.mark.parametrize("segment", [1, 3, 16])
+def test_ring_segmented_with_many_segments(p, segment):
+    # segment elements of 8 bytes: small counts get several segments per ring block
+    for count in (0, 1, max(p - 1, 0), p, p + 1, 2 * p + 3, 97, 16 * p + 5):
+        verify(build("ring_segmented", p, count, segment_bytes=8 * segment))
+
+
+def test_ring_segmented_cuts_blocks_into_segments():
+    one = build("ring_segmented", 4, 1000, segment_bytes=8 * 1000)
+    many = build("ring_segmented", 4, 1000, segment_bytes=8 * 10)
+    assert one.nsteps == build("ring", 4, 1000).nsteps == 6
+    assert many.nsteps == 3 * 25 + 3  # 250-element blocks in 25 segments, then the allgather
+    assert max(r.size for steps in many.ranks for s in steps for r in s.recvs if r.action == REDUCE) == 10
+    with pytest.raises(ScheduleError, match="rank order"):
+        verify(many, ordered=True)
+
+
+def test_executor_defers_combines_only_where_the_next_step_leaves_them_alone():
+    need, defer = _scratch_plan(build("ring_segmented", 4, 1000, segment_bytes=80).ranks[0])
+    assert need == 10 and defer[:74] == [True] * 74 and not any(defer[74:])
+    assert scratch_size(build("ring_segmented", 4, 1000, segment_bytes=80).ranks[0]) == 20
+    for name in ("ring", "tree", "recursive_doubling", "rabenseifner"):
+        steps = build(name, 5, 1000).ranks[1]
+        assert not any(_scratch_plan(steps)[1])
+        assert scratch_size(steps) == _scratch_plan(steps)[0]
+
+
+@pytest.mark.parametrize("name", ["tree", "recursive_doubling", "rabenseifner"])
+def test_order_keeping_algorithms_keep_rank_order(name):
+    assert not REGISTRY[name].commutative_only
+    for p in (3, 6, 8, 13):
+        assert build(name, p, 2 * p + 1).ordered
+        verify(build(name, p, 2 * p + 1), ordered=True)
+
+
+def test_rabenseifner_distance_doubling_owns_bit_reversed_slots():
+    assert [owned_slots(v, 8, keep_order=True)[0] for v in range(8)] == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert [owned_slots(v, 8, keep_order=False)[0] for v in range(8)] == list(range(8))
+
+
+def test_rabenseifner_and_recursive_doubling_step_counts():
+    assert build("recursive_doubling", 8, 10).nsteps == 3
+    assert build("recursive_doubling", 6, 10).nsteps == 2 + 2  # fold in, lg 4, fold out
+    assert build("rabenseifner", 8, 10).nsteps == 6
+    assert build("rabenseifner", 12, 10).nsteps == 2 * 3 + 2
+    assert build("tree", 5, 10).nsteps == 6
+
+
+def _collective_cases():
+    for collective, registry in COLLECTIVES.items():
+        if collective != "allreduce":
+            for name in registry:
+                yield collective, name
+
+
+@pytest.mark.parametrize("collective, name", list(_collective_cases()))
+@pytest.mark.parametrize("p", [*range(1, 18), 31, 32, 33, 64])
+def test_every_related_collective_is_correct(collective, name, p):
+    counts = awkward(p) if p <= 17 else (1, p - 1, p + 1, 1009)
+    roots = sorted({0, 1 % p, p // 2, p - 1}) if collective == "bcast" else [0]
+    for count in counts:
+        for root in roots:
+            params = {"root": root} if collective == "bcast" else {}
+            space = 2 * p * count if collective == "alltoall" else count  # send then receive
+            verify(build(name, p, space, collective=collective, **params),
+                   *collective_states(collective, p, root))
+
+
+def test_reduce_scatter_check_catches_the_wrong_owner():
+    # The allreduce ring's reduce-scatter leaves block r+1 on rank r, not MPI's block r.
+    schedule = Schedule("rs", 4, 12, tuple(tuple(ring_reduce_scatter(r, 4, 12)) for r in range(4)))
+    verify(schedule, expected=lambda rank, count: [])
+    with pytest.raises(ScheduleError, match=r"rank 0, end: range \[0, 3\) holds ranks \(1,\)"):
+        verify(schedule, *collective_states("reduce_scatter", 4))
+
+
+def test_alltoall_check_catches_a_misplaced_block():
+    schedule = build("pairwise", 3, 18, collective="alltoall")
+    swapped = [list(steps) for steps in schedule.ranks]
+    first = swapped[0][0]
+    recv = first.recvs[0]
+    swapped[0][0] = step(first.sends, [Recv(recv.peer, 9, 12)])  # lands in rank 0's own block
+    broken = dataclasses.replace(schedule, ranks=tuple(tuple(s) for s in swapped))
+    with pytest.raises(ScheduleError, match="rank 0, end"):
+        verify(broken, *collective_states("alltoall", 3))
