@@ -89,10 +89,10 @@ def test_allgather_matches_native(comm, algorithm, in_place, dtype):
 
 
 @pytest.mark.parametrize("algorithm", COLLECTIVE_ALGORITHMS["bcast"])
-@pytest.mark.parametrize("dtype", ["float64", "complex128", "uint16"])
-def test_bcast_matches_native_from_every_root(comm, algorithm, dtype):
+@pytest.mark.parametrize("dtype", ["float64", "uint16"])
+def test_bcast_matches_native_from_several_roots(comm, algorithm, dtype):
     for count in _counts(comm):
-        for root in range(comm.size):
+        for root in sorted({0, 1 % comm.size, comm.size - 1}):
             x = contribution(comm, count, dtype)
             ref = x.copy()
             comm.Bcast(ref, root=root)

@@ -168,7 +168,9 @@ def _collective_cases():
 @pytest.mark.parametrize("p", [*range(1, 18), 31, 32, 33, 64])
 def test_every_related_collective_is_correct(collective, name, p):
     counts = awkward(p) if p <= 17 else (1, p - 1, p + 1, 1009)
-    roots = sorted({0, 1 % p, p // 2, p - 1}) if collective == "bcast" else [0]
+    roots = [0]
+    if collective == "bcast":
+        roots = sorted({0, 1 % p, p // 2, p - 1}) if p <= 17 else [p - 1]
     for count in counts:
         for root in roots:
             params = {"root": root} if collective == "bcast" else {}
@@ -181,7 +183,7 @@ def test_reduce_scatter_check_catches_the_wrong_owner():
     # The allreduce ring's reduce-scatter leaves block r+1 on rank r, not MPI's block r.
     schedule = Schedule("rs", 4, 12, tuple(tuple(ring_reduce_scatter(r, 4, 12)) for r in range(4)))
     verify(schedule, expected=lambda rank, count: [])
-    with pytest.raises(ScheduleError, match=r"rank 0, end: range \[0, 3\) holds ranks \(1,\)"):
+    with pytest.raises(ScheduleError, match=r"rank 0, end: range \[0, 3\) holds ranks \(0,\)"):
         verify(schedule, *collective_states("reduce_scatter", 4))
 
 
