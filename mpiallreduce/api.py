@@ -183,6 +183,8 @@ def _describe(field_name: str, value: int, names: tuple[str, ...] = ALGORITHMS) 
             value, OP_NAMES[value] if 0 <= value < len(OP_NAMES) else str(value))
     if field_name == "algorithm":
         return names[value]
+    if field_name == "algorithm parameters":
+        return f"parameters with checksum {value}"
     return str(value)
 
 
