@@ -17,14 +17,18 @@ pytestmark = pytest.mark.mpi
 OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "BXOR": MPI.BXOR}
 
 
+def _schedules_and_native(collective):
+    # "auto" is "native" for these collectives (test_reduce_scatter_average_and_user_ops runs it)
+    return [name for name in COLLECTIVE_ALGORITHMS[collective] if name != "auto"]
+
+
 def _counts(comm):
     return [c for c in awkward_counts(comm.size) if c < 100_000] + [20_011]
 
 
-@pytest.mark.parametrize("algorithm", COLLECTIVE_ALGORITHMS["reduce_scatter"])
-@pytest.mark.parametrize("op_name, dtype", [("SUM", "float64"), ("SUM", "int32"),
-                                            ("PROD", "complex64"), ("MAX", "int16"),
-                                            ("BXOR", "uint8")])
+@pytest.mark.parametrize("algorithm", _schedules_and_native("reduce_scatter"))
+@pytest.mark.parametrize("op_name, dtype", [("SUM", "float64"), ("PROD", "complex64"),
+                                            ("MAX", "int16"), ("BXOR", "uint8")])
 def test_reduce_scatter_matches_native(comm, algorithm, op_name, dtype):
     for count in _counts(comm):
         x = contribution(comm, count, dtype, op_name)
@@ -66,9 +70,9 @@ def test_reduce_scatter_average_and_user_ops():
         op.Free()
 
 
-@pytest.mark.parametrize("algorithm", COLLECTIVE_ALGORITHMS["allgather"])
+@pytest.mark.parametrize("algorithm", _schedules_and_native("allgather"))
 @pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
-@pytest.mark.parametrize("dtype", ["float32", "int64", "bool"])
+@pytest.mark.parametrize("dtype", ["float32", "bool"])
 def test_allgather_matches_native(comm, algorithm, in_place, dtype):
     for count in _counts(comm):
         full = contribution(comm, count, dtype, seed=1)
@@ -88,7 +92,7 @@ def test_allgather_matches_native(comm, algorithm, in_place, dtype):
         assert np.array_equal(out, ref)
 
 
-@pytest.mark.parametrize("algorithm", COLLECTIVE_ALGORITHMS["bcast"])
+@pytest.mark.parametrize("algorithm", _schedules_and_native("bcast"))
 @pytest.mark.parametrize("dtype", ["float64", "uint16"])
 def test_bcast_matches_native_from_several_roots(comm, algorithm, dtype):
     for count in _counts(comm):
@@ -101,7 +105,7 @@ def test_bcast_matches_native_from_several_roots(comm, algorithm, dtype):
             assert np.array_equal(buf, ref)
 
 
-@pytest.mark.parametrize("algorithm", COLLECTIVE_ALGORITHMS["alltoall"])
+@pytest.mark.parametrize("algorithm", _schedules_and_native("alltoall"))
 @pytest.mark.parametrize("dtype", ["float64", "int8"])
 def test_alltoall_matches_native(comm, algorithm, dtype):
     for per_rank in (0, 1, 3, 97, 2001):
