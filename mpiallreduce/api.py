@@ -13,6 +13,7 @@ from . import algorithms, select
 from .executor import Layout, NativePlan, Plan, scratch_size
 from .ops import DTYPES, OP_NAMES, Reducer, reducer
 from .partition import block, block_counts
+from .topology import Topology
 
 #: every name ``algorithm=`` accepts.
 ALGORITHMS: tuple[str, ...] = tuple(algorithms.REGISTRY) + ("native", "auto")
@@ -29,10 +30,18 @@ _UNKNOWN = -9  # signature field a rank could not determine (its own input was b
 
 @dataclass
 class _CommState:
-    """What mpiallreduce keeps per user communicator: a private Dup and reusable scratch."""
+    """What mpiallreduce keeps per user communicator: a private Dup, reusable scratch, and
+    the communicator's topology once an algorithm has needed it."""
 
     private: MPI.Intracomm
     scratch: dict = field(default_factory=dict)
+    topology: Topology | None = None
+
+    def default_topology(self) -> Topology:
+        """Return ``Topology.from_comm`` of the communicator (collective the first time only)."""
+        if self.topology is None:
+            self.topology = Topology.from_comm(self.private)
+        return self.topology
 
     def scratch_for(self, dtype: np.dtype, size: int) -> np.ndarray:
         buf = self.scratch.get(dtype)
@@ -114,7 +123,8 @@ def _check_params(name: str, params: dict, collective: str = "allreduce") -> Non
     if not params:
         return
     accepted = ([] if name in ("native", "auto") else
-                [k for k in algorithms.get(name, collective).params if k not in ("itemsize", "root")])
+                [k for k in algorithms.get(name, collective).params
+                 if k not in ("itemsize", "root", "ordered")])
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         takes = f"takes {', '.join(accepted)}" if accepted else "takes no parameters"
@@ -169,6 +179,12 @@ def _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology, params=None) 
                                  "to reduce in place")
     red = reducer(op, recv.dtype)
     _check_algorithm(algorithm, red)
+    if topology is not None:
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a mpiallreduce Topology (Topology.from_comm, "
+                            f"Topology.simulated, Topology.from_nodes), got "
+                            f"{type(topology).__name__}")
+        topology.check_size(comm.Get_size())
     _check_params(algorithm, params or {})
     return _Call(send, recv, red, algorithm, topology, comm, dict(params or {}))
 
@@ -250,10 +266,16 @@ def _steps(name: str, rank: int, nranks: int, count: int, topology, params: tupl
 
 
 def _builder_params(name: str, call: _Call, collective: str = "allreduce") -> tuple:
-    """The builder parameters of a call: the user's, plus the dtype's itemsize where taken."""
+    """The builder parameters of a call: the user's, plus the dtype's itemsize and whether rank
+    order must be kept, where the builder takes them."""
     params = dict(call.params)
-    if "itemsize" in algorithms.get(name, collective).params:
+    accepted = algorithms.get(name, collective).params
+    if "itemsize" in accepted:
         params["itemsize"] = call.recv.itemsize
+    if "ordered" in accepted:
+        # an algorithm that keeps rank order only in some cases is told whether it must;
+        # it raises ValueError (identically on every rank, before any message) when it cannot
+        params["ordered"] = call.reducer is not None and not call.reducer.commutative
     return tuple(sorted(params.items()))
 
 
@@ -266,7 +288,12 @@ def _build(call: _Call, persistent: bool, timeout: float | None) -> Plan:
         name = select.choose(nranks, call.recv.nbytes, call.reducer, call.topology)
     if name == "native":
         return NativePlan(private, call.send, call.recv, call.reducer, timeout=timeout)
-    steps = _steps(name, rank, nranks, call.recv.size, call.topology, _builder_params(name, call))
+    algorithm = algorithms.get(name)
+    topology = call.topology
+    if algorithm.uses_topology and topology is None:
+        # Every rank reaches this point for the same algorithm, so from_comm's collectives match.
+        topology = state.default_topology()
+    steps = _steps(name, rank, nranks, call.recv.size, topology, _builder_params(name, call))
     scratch = None
     if not persistent:
         scratch = state.scratch_for(call.recv.dtype, scratch_size(steps))
@@ -291,7 +318,9 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             ``MPI.Op.Create`` (non-commutative ones keep MPI's rank order).
         comm: any intracommunicator (default ``MPI.COMM_WORLD``).
         algorithm: one of ``ALGORITHMS``; ``"auto"`` picks by size, op and topology.
-        topology: a ``Topology`` for the hierarchical algorithms (default: from ``comm``).
+        topology: a ``Topology`` for ``hierarchical``/``cascade`` (default:
+            ``Topology.from_comm(comm)``, computed once per communicator, which honours
+            ``MPIALLREDUCE_RANKS_PER_NODE``). Its size must be the communicator's.
         check: agree on count, dtype, op and algorithm across ranks first (one small native
             collective) so a mismatch raises the same ValueError everywhere instead of hanging.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever).

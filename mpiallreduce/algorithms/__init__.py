@@ -26,6 +26,7 @@ class Algorithm:
     commutative_only: bool
     summary: str
     params: dict = field(default_factory=dict)
+    uses_topology: bool = False
 
     def steps(self, rank: int, nranks: int, count: int, topology=None, **params):
         """Return rank ``rank``'s steps as a tuple."""
@@ -39,17 +40,24 @@ COLLECTIVES: dict[str, dict[str, Algorithm]] = {
     "allreduce": REGISTRY, "reduce_scatter": {}, "allgather": {}, "bcast": {}, "alltoall": {}}
 
 
-def register(name: str, *, commutative_only: bool, collective: str = "allreduce", **defaults):
+def register(name: str, *, commutative_only: bool, collective: str = "allreduce",
+             uses_topology: bool = False, **defaults):
     """Register a per-rank schedule builder under ``name`` for ``collective``.
 
-    ``defaults`` names the builder's keyword parameters (and their defaults) that callers may
-    set, e.g. through ``mar.plan(..., segment_bytes=...)``.
+    Args:
+        commutative_only: the schedule reorders operands. An algorithm that keeps rank order
+            only in some cases registers ``False`` and a default ``ordered=False`` parameter:
+            the API passes ``ordered=True`` for a non-commutative op, and the builder then keeps
+            rank order or raises ValueError.
+        uses_topology: the builder reads ``topology`` (the API then supplies one per comm).
+        defaults: the builder's keyword parameters (and their defaults) that callers may set,
+            e.g. through ``mar.plan(..., segment_bytes=...)``.
     """
 
     def decorate(builder: Callable) -> Callable:
         summary = (builder.__doc__ or "").strip().splitlines()[0] if builder.__doc__ else ""
         COLLECTIVES[collective][name] = Algorithm(name, builder, commutative_only, summary,
-                                                  dict(defaults))
+                                                  dict(defaults), uses_topology)
         return builder
 
     return decorate
@@ -72,10 +80,11 @@ def build(name: str, nranks: int, count: int, topology=None, collective: str = "
     merged = {**algorithm.params, **params}
     ranks = tuple(algorithm.steps(rank, nranks, count, topology=topology, **merged)
                   for rank in range(nranks))
-    return Schedule(name, nranks, count, ranks, ordered=not algorithm.commutative_only,
-                    params=merged)
+    ordered = not algorithm.commutative_only and merged.get("ordered", True)
+    return Schedule(name, nranks, count, ranks, ordered=ordered, params=merged)
 
 
-# Importing the modules fills REGISTRY.
+# Importing the modules fills REGISTRY (hierarchical and cascade look flat ones up by name).
 from . import ring, ring_segmented, tree, recursive_doubling, rabenseifner  # noqa: E402,F401,I001
 from . import collectives  # noqa: E402,F401
+from . import cascade, hierarchical  # noqa: E402,F401

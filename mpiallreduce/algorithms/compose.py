@@ -1,0 +1,87 @@
+"""Compose flat schedules into hierarchical ones: relabel a sub-group's program, pad phases.
+
+Messages match by step index, so when several sub-groups run a phase side by side (every node
+its own reduce, every shard its own cross-node allreduce), each rank's part of the phase is
+padded with empty steps to the longest program of that phase over all ranks: the next phase
+then starts at the same step index everywhere.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..schedule import Recv, Send, Step
+from ..topology import Topology
+from . import REGISTRY, get
+
+#: below this many elements per leader or shard, the default inner algorithm is latency-bound.
+SMALL_COUNT = 4096
+_LATENCY_FIRST = ("recursive_doubling", "tree", "rabenseifner", "ring")
+_BANDWIDTH_FIRST = ("rabenseifner", "ring", "recursive_doubling", "tree")
+
+
+def relabel(steps, ranks, offset: int = 0) -> list[Step]:
+    """Map a sub-group's program to parent ranks (peer i -> ``ranks[i]``), ranges shifted by ``offset``."""
+    return [Step(tuple(Send(ranks[s.peer], s.start + offset, s.stop + offset) for s in step.sends),
+                 tuple(Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.action, r.order)
+                       for r in step.recvs))
+            for step in steps]
+
+
+def pad(steps, length: int) -> list[Step]:
+    """Return ``steps`` followed by empty steps up to ``length`` steps."""
+    steps = list(steps)
+    if len(steps) > length:
+        raise ValueError(f"phase of {len(steps)} steps does not fit its padded length {length}")
+    return steps + [Step()] * (length - len(steps))
+
+
+@lru_cache(maxsize=4096)
+def program_length(name: str, nranks: int, count: int) -> int:
+    """Number of steps of the longest rank program of flat algorithm ``name``."""
+    algorithm = get(name)
+    return max((len(algorithm.steps(rank, nranks, count, **algorithm.params))
+                for rank in range(nranks)), default=0)
+
+
+def flat_steps(name: str, rank: int, ranks, start: int, stop: int) -> list[Step]:
+    """Rank ``rank``'s steps of flat ``name`` allreducing ``[start, stop)`` among parent ranks ``ranks``.
+
+    Padded to the algorithm's longest program for this group, so every member ends together.
+    """
+    algorithm = get(name)
+    nranks, count = len(ranks), stop - start
+    steps = algorithm.steps(ranks.index(rank), nranks, count, **algorithm.params)
+    return pad(relabel(steps, ranks, start), program_length(name, nranks, count))
+
+
+def resolve_topology(topology, nranks: int) -> Topology:
+    """Return ``topology`` checked against ``nranks``; ``None`` gives :meth:`Topology.default`."""
+    if topology is None:
+        return Topology.default(nranks)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a mpiallreduce Topology, got {type(topology).__name__}")
+    topology.check_size(nranks)
+    return topology
+
+
+def choose_inner(inner: str | None, count: int, ordered: bool = False) -> str:
+    """Return the flat algorithm used across nodes: ``inner`` checked, or one chosen by size.
+
+    The default is latency-first below :data:`SMALL_COUNT` elements, bandwidth-first above, and
+    with ``ordered`` only among algorithms that keep MPI's rank order.
+    """
+    if inner is None:
+        preference = _LATENCY_FIRST if count < SMALL_COUNT else _BANDWIDTH_FIRST
+        for name in preference:
+            if name in REGISTRY and not (ordered and REGISTRY[name].commutative_only):
+                return name
+        raise ValueError("no registered flat algorithm keeps rank order, so a non-commutative "
+                         "op cannot cross nodes here; use a commutative op or 'native'")
+    algorithm = get(inner)
+    if algorithm.uses_topology:
+        raise ValueError(f"inner={inner!r} must be a flat algorithm, not one that uses a topology")
+    if ordered and algorithm.commutative_only:
+        raise ValueError(f"inner={inner!r} reorders operands; a non-commutative op needs an "
+                         f"inner algorithm that keeps rank order")
+    return inner

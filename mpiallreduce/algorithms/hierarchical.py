@@ -1,0 +1,87 @@
+"""Hierarchical (leader-based) allreduce: reduce to a leader per node, allreduce among the
+leaders with a flat algorithm, broadcast inside every node.
+
+Cost, with m ranks per node, N nodes, intra-node link (α_i, β_i) and inter-node link (α_o, β_o):
+2⌈lg m⌉(α_i + nβ_i) + ⌈lg m⌉nγ for the two binomial trees inside a node, plus the inner
+algorithm on N leaders over the inter-node link, e.g. with ring 2(N-1)α_o + 2(N-1)/N·nβ_o.
+Only the leaders use the inter-node link. Reference shape: Open MPI's han "simple" allreduce,
+MPICH's SMP-aware allreduce (Zhu et al., "Hierarchical collectives in MPICH2", EuroPVM/MPI 2009).
+"""
+
+from __future__ import annotations
+
+from ..schedule import COPY, LOCAL_FIRST, REDUCE, Recv, Send, Step, step
+from . import register
+from .compose import choose_inner, flat_steps, pad, program_length, relabel, resolve_topology
+
+
+def tree_depth(nranks: int) -> int:
+    """⌈lg nranks⌉: the number of steps of a binomial tree over ``nranks`` ranks."""
+    return (nranks - 1).bit_length()
+
+
+def binomial_reduce(rank: int, nranks: int, count: int) -> list[Step]:
+    """Return rank's ⌈lg p⌉ steps of a binomial reduce to rank 0 that keeps rank order.
+
+    After step k, a rank that is a multiple of 2^(k+1) holds ranks [rank, rank + 2^(k+1)), so
+    it combines ``local ∘ received``: MPI's order for non-commutative ops.
+    """
+    steps = []
+    for k in range(tree_depth(nranks)):
+        mask = 1 << k
+        if rank % (2 * mask) == mask:
+            steps.append(step([Send(rank - mask, 0, count)]))
+        elif rank % (2 * mask) == 0 and rank + mask < nranks:
+            steps.append(step([], [Recv(rank + mask, 0, count, REDUCE, LOCAL_FIRST)]))
+        else:
+            steps.append(Step())
+    return steps
+
+
+def binomial_bcast(rank: int, nranks: int, count: int) -> list[Step]:
+    """Return rank's ⌈lg p⌉ steps of a binomial broadcast from rank 0 (the reduce run backwards)."""
+    steps = []
+    for k in reversed(range(tree_depth(nranks))):
+        mask = 1 << k
+        if rank % (2 * mask) == 0 and rank + mask < nranks:
+            steps.append(step([Send(rank + mask, 0, count)]))
+        elif rank % (2 * mask) == mask:
+            steps.append(step([], [Recv(rank - mask, 0, count, COPY)]))
+        else:
+            steps.append(Step())
+    return steps
+
+
+@register("hierarchical", commutative_only=False, uses_topology=True, inner=None, ordered=False)
+def hierarchical(rank: int, nranks: int, count: int, topology=None, inner: str | None = None,
+                 ordered: bool = False) -> list[Step]:
+    """Reduce to one leader per node, allreduce among leaders, broadcast in each node.
+
+    Args:
+        topology: which rank is on which node (default: :meth:`Topology.default`); only its
+            first level (nodes) is used. Nodes may differ in size.
+        inner: flat algorithm among the leaders (default: chosen by ``count``, see
+            :func:`~mpiallreduce.algorithms.compose.choose_inner`).
+        ordered: keep MPI's rank order (for a non-commutative op). Possible when every node is
+            a block of consecutive ranks and ``inner`` keeps order; otherwise ValueError.
+
+    With one node this is a binomial reduce and broadcast; with one rank per node it is
+    ``inner`` over all ranks.
+    """
+    if nranks == 1 or count == 0:
+        return []
+    topology = resolve_topology(topology, nranks)
+    if ordered and not topology.contiguous:
+        raise ValueError(f"hierarchical keeps rank order only when every node is a block of "
+                         f"consecutive ranks; {topology!r} is not (use a commutative op)")
+    members = topology.members[topology.node[rank]]
+    local = topology.local_rank[rank]
+    depth = max(tree_depth(size) for size in topology.node_sizes)
+    leaders = topology.leaders
+    cross = []
+    if len(leaders) > 1:
+        inner = choose_inner(inner, count, ordered)
+        cross = pad(flat_steps(inner, rank, leaders, 0, count) if local == 0 else [],
+                    program_length(inner, len(leaders), count))
+    return (pad(relabel(binomial_reduce(local, len(members), count), members), depth) + cross
+            + pad(relabel(binomial_bcast(local, len(members), count), members), depth))
