@@ -68,12 +68,14 @@ def resolve_topology(topology, nranks: int) -> Topology:
 def choose_inner(inner: str | None, count: int, ordered: bool = False) -> str:
     """Return the flat algorithm used across nodes: ``inner`` checked, or one chosen by size.
 
-    The default is latency-first below :data:`SMALL_COUNT` elements, bandwidth-first above, and
-    with ``ordered`` only among algorithms that keep MPI's rank order.
+    The default is latency-first below :data:`SMALL_COUNT` elements (recursive doubling, tree),
+    bandwidth-first above (Rabenseifner, ring), then any other registered flat algorithm; with
+    ``ordered`` only among algorithms that keep MPI's rank order.
     """
     if inner is None:
         preference = _LATENCY_FIRST if count < SMALL_COUNT else _BANDWIDTH_FIRST
-        for name in preference:
+        flat = sorted(name for name, algorithm in REGISTRY.items() if not algorithm.uses_topology)
+        for name in (*preference, *flat):
             if name in REGISTRY and not (ordered and REGISTRY[name].commutative_only):
                 return name
         raise ValueError("no registered flat algorithm keeps rank order, so a non-commutative "
