@@ -4,8 +4,10 @@ from .api import ALGORITHMS, allgather, allreduce, alltoall, bcast, plan, reduce
 from .errors import CollectiveTimeout, ScheduleError
 from .executor import Plan
 from .ops import AVG
+from .topology import Topology
 
 __version__ = "0.1.0"
 
-__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Plan", "ScheduleError", "__version__",
+__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Plan", "ScheduleError", "Topology",
+           "__version__",
            "allgather", "allreduce", "alltoall", "bcast", "plan", "reduce_scatter"]

@@ -128,7 +128,7 @@ def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
             if needs_commutative:
                 with pytest.raises(ValueError, match="commutative op; for a non-commutative op "
                                                      "use one of tree, recursive_doubling, "
-                                                     "rabenseifner, native"):
+                                                     "rabenseifner, hierarchical, native"):
                     mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
             else:
                 out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)

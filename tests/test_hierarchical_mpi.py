@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_native, awkward_counts, contribution
+from conftest import affine_compose, affine_maps, assert_matches_native, awkward_counts, contribution
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce.algorithms import REGISTRY
 from mpiallreduce.api import _state
 from mpiallreduce.topology import RANKS_PER_NODE_ENV, Topology
 
@@ -88,15 +87,6 @@ def test_plan_in_place_with_a_topology(name):
             assert_matches_native(comm, x, buf, MPI.SUM)
 
 
-def _affine(inbuf, inoutbuf, datatype):
-    # (a, b) ∘ (c, d) = (a·c, a·d + b): associative, not commutative
-    x = np.frombuffer(inbuf, dtype=np.int64).reshape(-1, 2)
-    y = np.frombuffer(inoutbuf, dtype=np.int64).reshape(-1, 2)
-    a, b = x[:, 0].copy(), x[:, 1].copy()
-    y[:, 1] = a * y[:, 1] + b
-    y[:, 0] = a * y[:, 0]
-
-
 @pytest.mark.parametrize("nodes", ["blocks", "interleaved"])
 def test_hierarchical_keeps_rank_order_or_refuses(nodes):
     comm = MPI.COMM_WORLD
@@ -104,21 +94,21 @@ def test_hierarchical_keeps_rank_order_or_refuses(nodes):
         topology = Topology.simulated(comm, 2)
     else:
         topology = Topology.from_nodes([rank % 2 for rank in range(comm.size)])
-    order_keeping = any(not a.commutative_only and not a.uses_topology for a in REGISTRY.values())
-    op = MPI.Op.Create(_affine, commute=False)
+    refuses = topology.nnodes > 1 and not topology.contiguous
+    op = MPI.Op.Create(affine_compose, commute=False)
     try:
-        x = np.random.default_rng(comm.rank).integers(-3, 4, size=(40, 2)).astype(np.int64)
-        ref = np.empty_like(x)
-        comm.Allreduce(x, ref, op=op)
-        if topology.nnodes > 1 and not topology.contiguous:
-            with pytest.raises(ValueError, match="block of consecutive ranks"):
-                mar.allreduce(x, op=op, comm=comm, algorithm="hierarchical", topology=topology)
-        elif topology.nnodes > 1 and not order_keeping:
-            with pytest.raises(ValueError, match="keeps rank order"):
-                mar.allreduce(x, op=op, comm=comm, algorithm="hierarchical", topology=topology)
-        else:
-            out = mar.allreduce(x, op=op, comm=comm, algorithm="hierarchical", topology=topology)
-            assert np.array_equal(out, ref)
+        for inner in ("tree", "recursive_doubling", "rabenseifner"):
+            for count in (1, comm.size + 1, 97):
+                x = affine_maps(comm, count)
+                call = dict(op=op, comm=comm, algorithm="hierarchical", topology=topology,
+                            inner=inner)
+                if refuses:
+                    with pytest.raises(ValueError, match="block of consecutive ranks"):
+                        mar.allreduce(x, **call)
+                else:
+                    ref = np.empty_like(x)
+                    comm.Allreduce(x, ref, op=op)
+                    assert np.array_equal(mar.allreduce(x, **call), ref)
     finally:
         op.Free()
 
