@@ -35,6 +35,7 @@ from mpi4py import MPI
 import mpiallreduce as mar
 
 from .ops import AVG, DTYPES, OP_NAMES, reducer
+from .topology import Topology
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 #: the variable the library reads for simulated nodes (see DESIGN.md, Topology).
@@ -327,14 +328,14 @@ def _mean_time(run, iterations: int, warmup: int, comm) -> float:
 
 
 def _topology(comm, ranks_per_node: int | None):
-    """Return the ``topology=`` the plans are built with.
+    """Return the ``topology=`` the plans are built with, the layout the header describes.
 
-    None for now: ``main`` has set MPIALLREDUCE_RANKS_PER_NODE, which the library reads for its
-    default topology. Hook: once ``mpiallreduce.topology`` exists, return
-    ``Topology.simulated(comm, ranks_per_node=k)`` (or ``Topology.from_comm(comm)``) here, so
-    the header and the plans describe the same layout.
+    Simulated nodes of ``ranks_per_node`` consecutive ranks; ``None`` (the real layout) lets the
+    library use ``Topology.from_comm`` for the algorithms that need one.
     """
-    return None
+    if ranks_per_node is None:
+        return None
+    return Topology.simulated(comm, ranks_per_node=ranks_per_node)
 
 
 class _Case:
