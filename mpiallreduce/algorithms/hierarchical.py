@@ -10,46 +10,10 @@ MPICH's SMP-aware allreduce (Zhu et al., "Hierarchical collectives in MPICH2", E
 
 from __future__ import annotations
 
-from ..schedule import COPY, LOCAL_FIRST, REDUCE, Recv, Send, Step, step
+from ..schedule import Step
 from . import register
 from .compose import choose_inner, flat_steps, pad, program_length, relabel, resolve_topology
-
-
-def tree_depth(nranks: int) -> int:
-    """⌈lg nranks⌉: the number of steps of a binomial tree over ``nranks`` ranks."""
-    return (nranks - 1).bit_length()
-
-
-def binomial_reduce(rank: int, nranks: int, count: int) -> list[Step]:
-    """Return rank's ⌈lg p⌉ steps of a binomial reduce to rank 0 that keeps rank order.
-
-    After step k, a rank that is a multiple of 2^(k+1) holds ranks [rank, rank + 2^(k+1)), so
-    it combines ``local ∘ received``: MPI's order for non-commutative ops.
-    """
-    steps = []
-    for k in range(tree_depth(nranks)):
-        mask = 1 << k
-        if rank % (2 * mask) == mask:
-            steps.append(step([Send(rank - mask, 0, count)]))
-        elif rank % (2 * mask) == 0 and rank + mask < nranks:
-            steps.append(step([], [Recv(rank + mask, 0, count, REDUCE, LOCAL_FIRST)]))
-        else:
-            steps.append(Step())
-    return steps
-
-
-def binomial_bcast(rank: int, nranks: int, count: int) -> list[Step]:
-    """Return rank's ⌈lg p⌉ steps of a binomial broadcast from rank 0 (the reduce run backwards)."""
-    steps = []
-    for k in reversed(range(tree_depth(nranks))):
-        mask = 1 << k
-        if rank % (2 * mask) == 0 and rank + mask < nranks:
-            steps.append(step([Send(rank + mask, 0, count)]))
-        elif rank % (2 * mask) == mask:
-            steps.append(step([], [Recv(rank - mask, 0, count, COPY)]))
-        else:
-            steps.append(Step())
-    return steps
+from .phases import binomial_bcast, binomial_reduce, rounds
 
 
 @register("hierarchical", commutative_only=False, uses_topology=True, inner=None, ordered=False)
@@ -76,12 +40,14 @@ def hierarchical(rank: int, nranks: int, count: int, topology=None, inner: str |
                          f"consecutive ranks; {topology!r} is not (use a commutative op)")
     members = topology.members[topology.node[rank]]
     local = topology.local_rank[rank]
-    depth = max(tree_depth(size) for size in topology.node_sizes)
+    depth = max(rounds(size) for size in topology.node_sizes)
     leaders = topology.leaders
     cross = []
     if len(leaders) > 1:
         inner = choose_inner(inner, count, ordered)
         cross = pad(flat_steps(inner, rank, leaders, 0, count) if local == 0 else [],
                     program_length(inner, len(leaders), count))
-    return (pad(relabel(binomial_reduce(local, len(members), count), members), depth) + cross
-            + pad(relabel(binomial_bcast(local, len(members), count), members), depth))
+    whole = lambda lo, hi: (0, count)  # a broadcast sends the whole vector down every edge
+    reduce = relabel(binomial_reduce(local, len(members), count), members)
+    bcast = relabel(binomial_bcast(local, len(members), 0, whole), members)
+    return pad(reduce, depth) + cross + pad(bcast, depth)
