@@ -39,6 +39,12 @@ def _params(comm, x, algorithm):
     # (the default 256 KiB would give one segment: the plain ring).
     if algorithm == "ring_segmented":
         return {"segment_bytes": max(x.itemsize, x.nbytes // (4 * comm.size))}
+    # Simulated nodes, so the grid crosses "nodes" (from_comm would see one node here); nodes of
+    # 3 leave a smaller last node at most sizes, which cascade handles with its extra ranks.
+    if algorithm == "hierarchical":
+        return {"topology": mar.Topology.simulated(comm, ranks_per_node=2)}
+    if algorithm == "cascade":
+        return {"topology": mar.Topology.simulated(comm, ranks_per_node=3)}
     return {}
 
 
