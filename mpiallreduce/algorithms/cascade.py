@@ -54,10 +54,9 @@ def _size(bounds: tuple[int, int]) -> int:
 def _fold_in(local: int, unit, core: int, extra: int, count: int) -> list[Step]:
     """``extra`` steps in which the unit's ranks beyond ``core`` reduce block c into core rank c.
 
-    Peers are indices into ``unit`` and ranges start at 0; the caller relabels.
-
     In step t, core rank c receives from extra rank (c + t) mod extra, so no core rank gets two
-    reductions of the same block in one step and every extra rank is drained.
+    reductions of the same block in one step and every extra rank is drained. Peers are indices
+    into ``unit`` and ranges start at 0; the caller relabels.
     """
     steps = []
     for t in range(extra):
