@@ -2,6 +2,7 @@
 # make bench  run the OSU-style benchmark on 4 ranks (NP=2 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
 # make lint   ruff
+# make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~8 GiB; not in make test)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,7 +17,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 
-.PHONY: test test-serial test-mpi bench bench-sweep lint clean
+.PHONY: test test-serial test-mpi test-large bench bench-sweep lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ test-serial: $(VENV)/.installed
 
 test-mpi: $(VENV)/.installed
 	SERIAL=0 RANKS="$(RANKS)" VENV="$(VENV)" scripts/run-tests.sh
+
+test-large: $(VENV)/.installed
+	timeout 1800 $(VENV)/bin/mpirun -n 2 $(PY) -m mpi4py scripts/test_large.py
 
 bench: $(VENV)/.installed
 	timeout 900 $(VENV)/bin/mpirun -n $(NP) $(PY) -m mpi4py -m mpiallreduce.bench $(BENCH_ARGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -10,7 +11,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import algorithms, select
-from .executor import Layout, NativePlan, Plan, scratch_size
+from .errors import CollectiveTimeout
+from .executor import Layout, NativePlan, Plan, poll, scratch_size
 from .ops import DTYPES, OP_NAMES, Reducer, reducer
 from .partition import block, block_counts
 from .topology import Topology
@@ -31,17 +33,28 @@ _UNKNOWN = -9  # signature field a rank could not determine (its own input was b
 @dataclass
 class _CommState:
     """What mpiallreduce keeps per user communicator: a private Dup, reusable scratch, and
-    the communicator's topology once an algorithm has needed it."""
+    the communicator's topology once an algorithm has needed it.
+
+    ``broken`` is set when a collective on it timed out: messages of that call may still be in
+    flight on the private Dup and would match a later call's, so later calls refuse to run.
+    ``stale`` keeps the requests abandoned then (MPI cannot cancel a collective one).
+    """
 
     private: MPI.Intracomm
     scratch: dict = field(default_factory=dict)
     topology: Topology | None = None
+    broken: str | None = None
+    stale: list = field(default_factory=list)
 
     def default_topology(self) -> Topology:
         """Return ``Topology.from_comm`` of the communicator (collective the first time only)."""
         if self.topology is None:
             self.topology = Topology.from_comm(self.private)
         return self.topology
+
+    def mark_broken(self, reason: str, pending=()) -> None:
+        self.broken = reason
+        self.stale.extend(pending)
 
     def scratch_for(self, dtype: np.dtype, size: int) -> np.ndarray:
         buf = self.scratch.get(dtype)
@@ -69,13 +82,25 @@ def _state(comm: MPI.Intracomm) -> _CommState:
 
 # -- local checks ----------------------------------------------------------------------------------
 
-def _check_comm(comm) -> None:
+def _check_comm(comm, what: str = "mpiallreduce") -> None:
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
         raise ValueError("comm is MPI.COMM_NULL (a freed or null communicator)")
     if comm.Is_inter():
         raise TypeError("comm is an intercommunicator; mpiallreduce needs an intracommunicator")
+    state = comm.Get_attr(_KEYVAL)
+    if state is not None and state.broken:
+        raise ValueError(f"{what}: an earlier collective on this communicator timed out "
+                         f"({state.broken}); its messages may still be in flight, so this "
+                         f"communicator cannot carry more mpiallreduce calls (free it, or Abort)")
+
+
+def _check_timeout(timeout) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
 def _as_array(obj, name: str, writable: bool) -> np.ndarray:
@@ -201,6 +226,8 @@ def _describe(field_name: str, value: int, names: tuple[str, ...] = ALGORITHMS) 
         return names[value]
     if field_name == "algorithm parameters":
         return f"parameters with checksum {value}"
+    if field_name == "timeout":
+        return "a timeout" if value else "no timeout"
     return str(value)
 
 
@@ -208,27 +235,50 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-_FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters")
+#: what the ranks agree on: a bad-input flag, then the fields every rank must pass alike
+#: (whether a timeout is set decides between blocking and non-blocking native collectives,
+#: which MPI never matches with each other).
+_FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "timeout")
 
 
-def _agree(private: MPI.Intracomm, what: str, signature: list[int],
-           error: Exception | None, names: tuple[str, ...] = ALGORITHMS) -> None:
-    """Raise the same exception on every rank if any rank's input was bad or ranks disagree."""
-    mine = np.array(signature, dtype=np.int64)
+def _gather_signatures(state: _CommState, what: str, mine: np.ndarray,
+                       timeout: float | None) -> np.ndarray:
+    """Allgather every rank's signature on the private Dup, within ``timeout`` if one is set."""
+    private = state.private
     table = np.empty((private.Get_size(), mine.size), dtype=np.int64)
-    private.Allgather(mine, table)
+    request = private.Iallgather(mine, table)  # never blocking: every rank must call the same kind
+    if timeout is None:
+        request.Wait()
+    elif not poll([request], time.monotonic() + timeout):
+        reason = (f"{what} on rank {private.Get_rank()}: the argument check did not complete "
+                  f"within {timeout:g} s; some rank of the communicator has not made this "
+                  f"call (no data has moved yet)")
+        state.mark_broken(reason, [request])
+        raise CollectiveTimeout(reason)
+    return table
+
+
+def _agree(state: _CommState, what: str, signature: list[int], error: Exception | None,
+           names: tuple[str, ...] = ALGORITHMS, timeout: float | None = None) -> None:
+    """Raise the same exception on every rank if any rank's input was bad or ranks disagree."""
+    table = _gather_signatures(state, what, np.array(signature, dtype=np.int64), timeout)
     failed = [int(r) for r in np.flatnonzero(table[:, 0])]
     if failed:
-        messages = private.allgather(None if error is None else (type(error), str(error)))
-        kind, message = messages[failed[0]]
-        if error is not None and len(failed) == 1:
-            raise error
-        raise kind(f"{what}: bad input on {_ranks(failed)}; rank {failed[0]}: {message}")
+        # every rank got past the Iallgather, so this second collective cannot hang
+        reports = state.private.allgather(None if error is None else (type(error), str(error)))
+        if error is not None and len(failed) == len(reports) and len(set(reports)) == 1:
+            raise error  # the same bad input everywhere: the plain local message
+        groups: dict[tuple, list[int]] = {}
+        for rank in failed:
+            groups.setdefault(reports[rank], []).append(rank)
+        kind = reports[failed[0]][0]
+        raise kind(f"{what}: bad input on " + "; ".join(
+            f"{_ranks(ranks)}: {message}" for (_, message), ranks in groups.items())) from error
     problems = []
     for column, name in enumerate(_FIELDS):
         if column == 0 or (table[:, column] == table[0, column]).all():
             continue
-        groups: dict[int, list[int]] = {}
+        groups = {}
         for rank, value in enumerate(table[:, column]):
             groups.setdefault(int(value), []).append(rank)
         problems.append(f"{name} differs: " + "; ".join(
@@ -239,21 +289,24 @@ def _agree(private: MPI.Intracomm, what: str, signature: list[int],
                          + "; ".join(problems))
 
 
-def _prepare(what, comm, check, local_checks, collective="allreduce") -> _Call:
+def _prepare(what, comm, check, local_checks, collective="allreduce", timeout=None) -> _Call:
     """Run ``local_checks(comm)`` and, with ``check``, the cross-rank agreement."""
     comm = MPI.COMM_WORLD if comm is None else comm
-    _check_comm(comm)
+    _check_comm(comm, what)
     if not check:
+        _check_timeout(timeout)
         call = local_checks(comm)
         _state(comm)
         return call
-    call = error = None
+    call = error = bound = None
     try:
+        _check_timeout(timeout)
+        bound = timeout  # the check itself keeps to a valid timeout, even if other input is bad
         call = local_checks(comm)
-        signature = call.signature
+        signature = call.signature + [timeout is not None]
     except (TypeError, ValueError) as exc:
         error, signature = exc, [1] + [_UNKNOWN] * (len(_FIELDS) - 1)
-    _agree(_state(comm).private, what, signature, error, COLLECTIVE_ALGORITHMS[collective])
+    _agree(_state(comm), what, signature, error, COLLECTIVE_ALGORITHMS[collective], bound)
     return call
 
 
@@ -287,7 +340,8 @@ def _build(call: _Call, persistent: bool, timeout: float | None) -> Plan:
     if name == "auto":
         name = select.choose(nranks, call.recv.nbytes, call.reducer, call.topology)
     if name == "native":
-        return NativePlan(private, call.send, call.recv, call.reducer, timeout=timeout)
+        return NativePlan(private, call.send, call.recv, call.reducer, timeout=timeout,
+                          on_timeout=state.mark_broken)
     algorithm = algorithms.get(name)
     topology = call.topology
     if algorithm.uses_topology and topology is None:
@@ -298,7 +352,8 @@ def _build(call: _Call, persistent: bool, timeout: float | None) -> Plan:
     if not persistent:
         scratch = state.scratch_for(call.recv.dtype, scratch_size(steps))
     return Plan(private, steps, call.send, call.recv, call.reducer, name,
-                persistent=persistent, scratch=scratch, timeout=timeout)
+                persistent=persistent, scratch=scratch, timeout=timeout,
+                on_timeout=state.mark_broken)
 
 
 # -- public functions -------------------------------------------------------------------------------
@@ -323,7 +378,9 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             ``MPIALLREDUCE_RANKS_PER_NODE``). Its size must be the communicator's.
         check: agree on count, dtype, op and algorithm across ranks first (one small native
             collective) so a mismatch raises the same ValueError everywhere instead of hanging.
-        timeout: seconds before :class:`CollectiveTimeout` (default: wait forever).
+        timeout: seconds before :class:`CollectiveTimeout` (default: wait forever); give it
+            on every rank or none. After a timeout, mpiallreduce refuses further calls on
+            ``comm`` on the ranks that timed out (stale messages may be in flight).
         params: parameters of the named algorithm's schedule, e.g. ``segment_bytes=`` for
             ``ring_segmented``; a parameter the algorithm does not take is a TypeError.
 
@@ -331,7 +388,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         The result array (``recvbuf`` when given).
     """
     call = _prepare("allreduce", comm, check, lambda comm: _local_checks(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params))
+        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     if call.recv.size == 0:
         return call.recv
     return _build(call, persistent=False, timeout=timeout).run()
@@ -345,7 +402,7 @@ def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topolog
     the buffers' contents and shapes thereafter. Use as a context manager or call ``free()``.
     """
     call = _prepare("plan", comm, check, lambda comm: _local_checks(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params))
+        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     return _build(call, persistent=True, timeout=timeout)
 
 
@@ -376,7 +433,8 @@ def _run(call: _Call, count: int, layout: Layout, native, timeout) -> np.ndarray
 
     ``auto`` means ``native`` for these collectives, for the reason given in :mod:`.select`.
     """
-    private = _state(call.comm).private
+    state = _state(call.comm)
+    private = state.private
     result = call.recv.reshape(-1)
     if call.algorithm in ("native", "auto"):
         if count:
@@ -390,10 +448,10 @@ def _run(call: _Call, count: int, layout: Layout, native, timeout) -> np.ndarray
                    _builder_params(call.algorithm, call, call.collective) + (
                        (("root", call.root),) if call.collective == "bcast" else ()),
                    call.collective)
-    scratch = _state(call.comm).scratch_for(call.recv.dtype, scratch_size(steps))
+    scratch = state.scratch_for(call.recv.dtype, scratch_size(steps))
     return Plan(private, steps, call.send, call.recv, call.reducer,
                 f"{call.collective} {call.algorithm}", persistent=False, scratch=scratch,
-                timeout=timeout, layout=layout).run()
+                timeout=timeout, layout=layout, on_timeout=state.mark_broken).run()
 
 
 def reduce_scatter(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", check=True,
@@ -424,7 +482,7 @@ def reduce_scatter(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto
         return _Call(send, recv, red, algorithm, None, comm, collective="reduce_scatter",
                      count=send.size)
 
-    call = _prepare("reduce_scatter", comm, check, local_checks, "reduce_scatter")
+    call = _prepare("reduce_scatter", comm, check, local_checks, "reduce_scatter", timeout)
     n, p = call.send.size, call.comm.Get_size()
     lo, hi = block(n, p, call.comm.Get_rank())
     work = np.empty(n, dtype=call.send.dtype) if call.algorithm not in ("native", "auto") else None
@@ -468,7 +526,7 @@ def allgather(sendbuf, recvbuf, comm=None, algorithm="auto", check=True, timeout
         _check_algorithm(algorithm, None, "allgather")
         return _Call(send, recv, None, algorithm, None, comm, collective="allgather")
 
-    call = _prepare("allgather", comm, check, local_checks, "allgather")
+    call = _prepare("allgather", comm, check, local_checks, "allgather", timeout)
     n, p = call.recv.size, call.comm.Get_size()
     result = call.recv.reshape(-1)
     lo, hi = block(n, p, call.comm.Get_rank())
@@ -500,7 +558,7 @@ def bcast(buf, root=0, comm=None, algorithm="auto", check=True, timeout=None):
         return _Call(None, array, None, algorithm, None, comm, collective="bcast",
                      root=int(root))
 
-    call = _prepare("bcast", comm, check, local_checks, "bcast")
+    call = _prepare("bcast", comm, check, local_checks, "bcast", timeout)
     native = lambda private: private.Bcast(call.recv, call.root)
     return _run(call, call.recv.size, Layout((call.recv.reshape(-1),)), native, timeout)
 
@@ -531,7 +589,7 @@ def alltoall(sendbuf, recvbuf=None, comm=None, algorithm="auto", check=True, tim
         _check_algorithm(algorithm, None, "alltoall")
         return _Call(send, recv, None, algorithm, None, comm, collective="alltoall")
 
-    call = _prepare("alltoall", comm, check, local_checks, "alltoall")
+    call = _prepare("alltoall", comm, check, local_checks, "alltoall", timeout)
     n, p, rank = call.send.size, call.comm.Get_size(), call.comm.Get_rank()
     send, result = call.send.reshape(-1), call.recv.reshape(-1)
     lo, hi = block(n, p, rank)

@@ -16,10 +16,32 @@ from mpi4py import MPI
 
 from .errors import CollectiveTimeout
 from .ops import Reducer
+from .partition import segments
 from .schedule import COPY, Step
 
 #: MPI guarantees tags up to 32767; a step's tag is its index modulo this.
 _TAG_SPAN = 32768
+
+#: most elements in one MPI message. MPI-3 counts are C ints, and Open MPI 5.0 rejects larger
+#: ones (MPI_ERR_ARG) even through mpi4py 4, so a longer range travels as several messages of
+#: this size, posted in order in the same step (MPI's non-overtaking rule keeps them matched).
+MAX_MESSAGE = 1 << 30
+
+
+def poll(requests, deadline: float) -> bool:
+    """Test ``requests`` until all complete (True) or ``deadline`` (time.monotonic) passes (False).
+
+    Backs off from 1 µs to 1 ms between tests, so a short wait stays short and a long one
+    leaves the core to the peers (this machine may run more ranks than cores).
+    """
+    pause = 1e-6
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
+
 
 
 @dataclass
@@ -133,14 +155,16 @@ class Plan:
     def __init__(self, comm: MPI.Intracomm, steps: tuple[Step, ...], sendbuf: np.ndarray | None,
                  recvbuf: np.ndarray, reducer: Reducer | None, algorithm: str, *,
                  persistent: bool = True, scratch: np.ndarray | None = None,
-                 timeout: float | None = None, layout: Layout | None = None):
+                 timeout: float | None = None, layout: Layout | None = None, on_timeout=None):
         """Bind ``steps`` to buffers.
 
         By default (allreduce) the schedule works in ``recvbuf`` and ``sendbuf`` is copied into it
         first; other collectives pass a :class:`Layout`. ``recvbuf`` is what ``run()`` returns
         (and divides by p for AVG). ``reducer`` may be ``None`` for collectives that only copy.
+        ``on_timeout(reason, pending)`` is called when a run times out, before it raises.
         """
         self.comm = comm
+        self.on_timeout = on_timeout
         self.algorithm = algorithm
         self.reducer = reducer
         self.timeout = timeout
@@ -169,17 +193,20 @@ class Plan:
         sent = [(s.start, s.stop) for s in step.sends]
         recvs, combines = [], []
         for recv in step.recvs:
-            if recv.size == 0:
-                continue
-            target = view_of(recv.start, recv.stop)
-            if recv.action == COPY and not _overlaps(recv.start, recv.stop, sent):
-                recvs.append((recv.peer, target))  # lands in place: no scratch, no copy
-                continue
-            view = scratch[offset:offset + recv.size]
-            offset += recv.size
-            recvs.append((recv.peer, view))
-            combines.append(_Combine(view, target, recv.action, recv.order))
-        sends = [(s.peer, view_of(s.start, s.stop)) for s in step.sends if s.size]
+            in_place = recv.action == COPY and not _overlaps(recv.start, recv.stop, sent)
+            for start, stop in segments(recv.start, recv.stop, MAX_MESSAGE):
+                if stop == start:
+                    continue
+                target = view_of(start, stop)
+                if in_place:
+                    recvs.append((recv.peer, target))  # lands in place: no scratch, no copy
+                    continue
+                view = scratch[offset:offset + stop - start]
+                offset += stop - start
+                recvs.append((recv.peer, view))
+                combines.append(_Combine(view, target, recv.action, recv.order))
+        sends = [(s.peer, view_of(start, stop)) for s in step.sends
+                 for start, stop in segments(s.start, s.stop, MAX_MESSAGE) if stop > start]
         requests = []
         if self._persistent:
             tag = index % _TAG_SPAN
@@ -196,12 +223,7 @@ class Plan:
             timeout: seconds to wait for the whole collective (default: the plan's). When it
                 passes, raise :class:`CollectiveTimeout`; the plan is unusable afterwards.
         """
-        if self._freed:
-            raise ValueError("this plan has been freed")
-        if self._broken:
-            raise ValueError(f"this plan is unusable after an earlier failure: {self._broken}")
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        timeout, deadline = self._start(timeout)
         for source, destination in self._layout.load:
             np.copyto(destination, source)
         pending = None  # a step whose combines wait until the next step's messages are posted
@@ -217,8 +239,8 @@ class Plan:
                 self._combine(pending)  # overlaps this step's transfers
             if deadline is None:
                 MPI.Request.Waitall(requests)
-            else:
-                self._wait_until(requests, bound, deadline, timeout)
+            elif not poll(requests, deadline):
+                self._expire(requests, bound, timeout)
             if bound.defer:
                 pending = bound
             else:
@@ -241,28 +263,45 @@ class Plan:
             else:
                 self.reducer.combine(combine.scratch, combine.target, combine.order)
 
-    def _wait_until(self, requests, bound: _BoundStep, deadline: float, timeout: float) -> None:
-        """Poll the step's requests until done or ``deadline``; on expiry cancel and raise."""
-        pause = 1e-6
-        while not MPI.Request.Testall(requests):
-            if time.monotonic() > deadline:
-                nrecv = len(bound.recvs)
-                waiting = sorted({bound.recvs[i][0] for i, r in enumerate(requests[:nrecv])
-                                  if not r.Test()})
-                unsent = sorted({bound.sends[i][0] for i, r in enumerate(requests[nrecv:])
-                                 if not r.Test()})
-                for request in requests[:nrecv]:  # cancelling sends is deprecated in MPI-4
-                    if not request.Test():
-                        request.Cancel()
-                peers = waiting or unsent
-                self._broken = (f"{self.algorithm} timed out after {timeout:g} s in step "
-                                f"{bound.index} waiting for rank(s) {peers}")
-                raise CollectiveTimeout(
-                    f"{self.algorithm} allreduce on rank {self.comm.Get_rank()}: no answer "
-                    f"from rank(s) {', '.join(map(str, peers))} in step {bound.index} within "
-                    f"{timeout:g} s; the plan is unusable now")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+    def _start(self, timeout: float | None) -> tuple[float | None, float | None]:
+        """Refuse a freed or broken plan; return the run's timeout and its deadline."""
+        if self._freed:
+            raise ValueError("this plan has been freed")
+        if self._broken:
+            raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
+        timeout = self.timeout if timeout is None else timeout
+        if timeout is None:
+            return None, None
+        if timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        return timeout, time.monotonic() + timeout
+
+    def _expire(self, requests, bound: _BoundStep, timeout: float) -> None:
+        """Give up on a step past its deadline: cancel its receives, mark the plan, raise."""
+        nrecv = len(bound.recvs)
+        waiting = sorted({peer for (peer, _), request in zip(bound.recvs, requests[:nrecv])
+                          if not request.Test()})
+        unsent = sorted({peer for (peer, _), request in zip(bound.sends, requests[nrecv:])
+                         if not request.Test()})
+        for request in requests[:nrecv]:  # cancelling sends is deprecated in MPI-4
+            if not request.Test():
+                request.Cancel()
+                request.Test()  # completes the cancel if it took
+        peers = ", ".join(map(str, waiting or unsent))
+        # related collectives are named "<collective> <algorithm>" by their caller
+        label = self.algorithm if " " in self.algorithm else f"{self.algorithm} allreduce"
+        self._fail(f"{label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} in "
+                   f"step {bound.index} within {timeout:g} s")
+
+    def _fail(self, reason: str, pending=()) -> None:
+        """Mark the plan unusable, tell the communicator's owner, raise CollectiveTimeout.
+
+        ``pending`` are requests MPI cannot cancel (collective ones); the owner keeps them.
+        """
+        self._broken = reason
+        if self.on_timeout is not None:
+            self.on_timeout(reason, list(pending))
+        raise CollectiveTimeout(f"{reason}; the plan is unusable now")
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -291,10 +330,17 @@ class Plan:
 
 
 class NativePlan(Plan):
-    """MPI's own ``Allreduce`` behind the Plan interface: the ground truth."""
+    """MPI's own ``Allreduce`` behind the Plan interface: the ground truth.
 
-    def __init__(self, comm, sendbuf, recvbuf, reducer: Reducer, *, timeout=None, **_):
+    Without a timeout each run is one blocking ``Allreduce`` per piece of at most
+    :data:`MAX_MESSAGE` elements; with one, ``Iallreduce`` polled up to the deadline (MPI cannot
+    cancel a collective, so after a timeout the plan and the communicator are unusable).
+    """
+
+    def __init__(self, comm, sendbuf, recvbuf, reducer: Reducer, *, timeout=None, on_timeout=None,
+                 **_):
         self.comm = comm
+        self.on_timeout = on_timeout
         self.algorithm = "native"
         self.reducer = reducer
         self.timeout = timeout
@@ -305,16 +351,26 @@ class NativePlan(Plan):
         self._broken = None
         self._steps = []
         self._result = recvbuf.reshape(-1)
-        self._send = MPI.IN_PLACE if sendbuf is None else sendbuf
+        send = None if sendbuf is None else sendbuf.reshape(-1)
+        self._pieces = [(MPI.IN_PLACE if send is None else send[start:stop], self._result[start:stop])
+                        for start, stop in segments(0, self._result.size, MAX_MESSAGE)
+                        if stop > start]
 
     def run(self, timeout: float | None = None) -> np.ndarray:
-        """Call ``MPI_Allreduce`` (a blocking native call: ``timeout`` cannot interrupt it)."""
-        if self._freed:
-            raise ValueError("this plan has been freed")
-        if self._result.size:
-            self.comm.Allreduce(self._send, self.recvbuf, self.reducer.mpi_op)
-            if self.reducer.average:
-                np.divide(self._result, self._nranks, out=self._result)
+        """Call MPI's ``Allreduce`` (``Iallreduce`` polled up to ``timeout`` when one is set)."""
+        timeout, deadline = self._start(timeout)
+        op = self.reducer.mpi_op
+        for send, recv in self._pieces:
+            if deadline is None:
+                self.comm.Allreduce(send, recv, op)
+                continue
+            request = self.comm.Iallreduce(send, recv, op)
+            if not poll([request], deadline):
+                self._fail(f"native allreduce on rank {self.comm.Get_rank()}: not complete "
+                           f"within {timeout:g} s (MPI does not say which rank is missing)",
+                           [request])
+        if self.reducer.average:
+            np.divide(self._result, self._nranks, out=self._result)
         return self.recvbuf
 
     __call__ = run

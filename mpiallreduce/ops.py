@@ -108,7 +108,9 @@ def reducer(op, dtype: np.dtype) -> Reducer:
                                 f"MPI defines it for {allowed}")
             return Reducer(name, mpi_op, ufunc, True, False, index)
     if op.is_predefined:
-        raise TypeError(f"predefined op {op!r} is not supported by mpiallreduce; use one of "
+        name = next((f"MPI.{n}" for n in ("MAXLOC", "MINLOC", "REPLACE", "NO_OP")
+                     if op == getattr(MPI, n, None)), repr(op))
+        raise TypeError(f"predefined op {name} is not supported by mpiallreduce; use one of "
                         f"{', '.join(OP_NAMES)} or a user op from MPI.Op.Create")
     commutative = op.Is_commutative()
     return Reducer("user", op, None, commutative, False, -1 if commutative else -2)

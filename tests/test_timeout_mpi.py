@@ -1,0 +1,176 @@
+"""Timeouts: when one rank skips a collective, the others raise CollectiveTimeout within the
+timeout plus a margin, naming the algorithm, step and peer; the plan and the communicator
+refuse further use on those ranks.
+
+Each test runs on a throwaway Dup of COMM_WORLD. After the timeout the skipping rank drains
+what the others left behind (messages on the private communicator, or the collective they
+began), so every request completes and the world is clean for the next test. Nothing here
+sleeps: the skipping rank waits in a barrier that the others reach once they have timed out.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_matches_native, contribution
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import api
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SCHEDULES = [name for name in mar.ALGORITHMS if name not in ("native", "auto")]
+TIMEOUT = 0.5
+MARGIN = 5.0  # generous: other jobs share this machine's two cores
+COUNT = 64  # small enough that every message is sent eagerly
+SKIPPER = 0
+
+
+def _throwaway_comm():
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    x = contribution(comm, COUNT, "float64")
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="ring"), MPI.SUM)
+    return comm
+
+
+def _skip_or_time_out(comm, call):
+    """Rank SKIPPER skips ``call``; the others must raise CollectiveTimeout in time."""
+    world = MPI.COMM_WORLD
+    world.Barrier()  # everyone starts together, so only the skipper is late
+    message = None
+    if comm.rank != SKIPPER:
+        start = time.monotonic()
+        with pytest.raises(mar.CollectiveTimeout) as info:
+            call()
+        elapsed = time.monotonic() - start
+        assert TIMEOUT <= elapsed < TIMEOUT + MARGIN, f"raised after {elapsed:.2f} s"
+        message = str(info.value)
+    world.Barrier()  # the skipper waits here until every other rank has timed out
+    return world.allgather(message)
+
+
+def _drain_messages(comm):
+    """Receive every point-to-point message left on the private Dup; end with a flush mark."""
+    private = api._state(comm).private
+    flush = private.Get_attr(MPI.TAG_UB)
+    marks = [private.Isend(np.empty(0), peer, flush) for peer in range(comm.size) if peer != comm.rank]
+    buf, status = np.empty(COUNT), MPI.Status()
+    for peer in range(comm.size):
+        if peer == comm.rank:
+            continue
+        while True:  # MPI's non-overtaking rule: the mark comes after everything peer sent
+            private.Recv(buf, peer, MPI.ANY_TAG, status)
+            if status.Get_tag() == flush:
+                break
+    MPI.Request.Waitall(marks)
+
+
+def _drain_collective(comm, complete):
+    """The skipper joins the collective the others abandoned; they complete their requests.
+
+    ``complete`` must start the same non-blocking collective: MPI never matches a blocking
+    collective with a non-blocking one.
+    """
+    state = api._state(comm)
+    if comm.rank == SKIPPER:
+        complete(state.private)
+    else:
+        assert len(state.stale) == 1
+        MPI.Request.Waitall(state.stale)
+        state.stale.clear()
+
+
+def _assert_refused_later(comm):
+    if comm.rank != SKIPPER:
+        with pytest.raises(ValueError, match="an earlier collective on this communicator timed "
+                                             "out .*cannot carry more mpiallreduce calls"):
+            mar.allreduce(np.zeros(COUNT), comm=comm, algorithm="ring")
+
+
+@pytest.mark.parametrize("algorithm", SCHEDULES)
+def test_a_skipped_call_times_out_inside_the_schedule(algorithm):
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    messages = _skip_or_time_out(
+        comm, lambda: mar.allreduce(x, comm=comm, algorithm=algorithm, check=False,
+                                    timeout=TIMEOUT))
+    pattern = rf"{algorithm} allreduce on rank \d+: no answer from rank\(s\) [\d, ]+ in step \d+ "
+    for message in messages[1:]:
+        assert message is not None
+        assert message.endswith(f"within {TIMEOUT:g} s; the plan is unusable now")
+        assert re.match(pattern, message), message
+    assert any(f"no answer from rank(s) {SKIPPER} in step" in m for m in messages[1:]), messages
+    _drain_messages(comm)
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_a_skipped_call_times_out_in_the_argument_check(algorithm):
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    messages = _skip_or_time_out(
+        comm, lambda: mar.allreduce(x, comm=comm, algorithm=algorithm, timeout=TIMEOUT))
+    for rank, message in enumerate(messages[1:], start=1):
+        assert message == (f"allreduce on rank {rank}: the argument check did not complete "
+                           f"within {TIMEOUT:g} s; some rank of the communicator has not made "
+                           f"this call (no data has moved yet)")
+    fields = len(api._FIELDS)
+    _drain_collective(comm, lambda private: private.Iallgather(
+        np.zeros(fields, dtype=np.int64), np.empty((comm.size, fields), dtype=np.int64)).Wait())
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+def test_a_native_plan_times_out():
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    out = np.empty_like(x)
+    p = mar.plan(x, out, comm=comm, algorithm="native")
+    messages = _skip_or_time_out(comm, lambda: p.run(timeout=TIMEOUT))
+    for rank, message in enumerate(messages[1:], start=1):
+        assert message == (f"native allreduce on rank {rank}: not complete within {TIMEOUT:g} s "
+                           f"(MPI does not say which rank is missing); the plan is unusable now")
+    _drain_collective(comm, lambda private: private.Iallreduce(x, np.empty_like(x), MPI.SUM).Wait())
+    if comm.rank != SKIPPER:
+        with pytest.raises(ValueError, match="this plan is unusable after an earlier timeout: "
+                                             "native allreduce on rank"):
+            p.run()
+    p.free()
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+@pytest.mark.parametrize("algorithm", ["ring"])  # the executor path is the same for every schedule
+def test_a_plan_times_out_and_is_unusable_afterwards(algorithm):
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    out = np.empty_like(x)
+    p = mar.plan(x, out, comm=comm, algorithm=algorithm, timeout=TIMEOUT)
+    p.run()
+    assert_matches_native(comm, x, out, MPI.SUM)
+    messages = _skip_or_time_out(comm, p.run)
+    assert any(f"no answer from rank(s) {SKIPPER} in step" in m for m in messages[1:]), messages
+    _drain_messages(comm)
+    if comm.rank != SKIPPER:
+        with pytest.raises(ValueError, match=f"this plan is unusable after an earlier timeout: "
+                                             f"{algorithm} allreduce on rank {comm.rank}: no "
+                                             f"answer from"):
+            p.run()
+    p.free()
+    comm.Free()
+
+
+def test_a_timeout_that_is_not_reached_changes_nothing():
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 1000, "float64")
+    for algorithm in mar.ALGORITHMS:
+        out = mar.allreduce(x, comm=comm, algorithm=algorithm, timeout=60)
+        assert_matches_native(comm, x, out, MPI.SUM)
+        with mar.plan(x, comm=comm, algorithm=algorithm) as p:
+            assert_matches_native(comm, x, p.run(timeout=60), MPI.SUM)
