@@ -2,7 +2,7 @@
 # make bench  run the OSU-style benchmark on 4 ranks (NP=2 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
 # make lint   ruff
-# make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~8 GiB; not in make test)
+# make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~10 GiB; not in make test)
 
 PYTHON ?= python3
 VENV   ?= .venv

@@ -2,8 +2,8 @@
 algorithm offered, compared element by element with the known answer.
 
 Run with ``make test-large`` (``mpirun -n 2 python -m mpi4py scripts/test_large.py``). Memory:
-about 3.5 GiB per rank (the 2 GiB in-place buffer, up to 1 GiB of scratch, MPI's own temporary
-for ``native``), so 8 GiB for the two ranks. MPI-3 message counts are C ints and Open MPI 5.0
+about 4.6 GiB per rank at peak (the 2 GiB in-place buffer, scratch of up to the whole vector for
+tree and recursive doubling, MPI's own temporary for ``native``), so 10 GiB for the two ranks. MPI-3 message counts are C ints and Open MPI 5.0
 refuses larger ones, so this also proves the executor's splitting into MAX_MESSAGE pieces.
 """
 
