@@ -376,8 +376,9 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         topology: a ``Topology`` for ``hierarchical``/``cascade`` (default:
             ``Topology.from_comm(comm)``, computed once per communicator, which honours
             ``MPIALLREDUCE_RANKS_PER_NODE``). Its size must be the communicator's.
-        check: agree on count, dtype, op and algorithm across ranks first (one small native
-            collective) so a mismatch raises the same ValueError everywhere instead of hanging.
+        check: agree on count, dtype, op, algorithm and whether a timeout is set across ranks
+            first (one small ``Iallgather``) so a mismatch raises the same ValueError
+            everywhere instead of hanging.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever); give it
             on every rank or none. After a timeout, mpiallreduce refuses further calls on
             ``comm`` on the ranks that timed out (stale messages may be in flight).

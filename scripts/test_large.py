@@ -3,8 +3,9 @@ algorithm offered, compared element by element with the known answer.
 
 Run with ``make test-large`` (``mpirun -n 2 python -m mpi4py scripts/test_large.py``). Memory:
 about 4.6 GiB per rank at peak (the 2 GiB in-place buffer, scratch of up to the whole vector for
-tree and recursive doubling, MPI's own temporary for ``native``), so 10 GiB for the two ranks. MPI-3 message counts are C ints and Open MPI 5.0
-refuses larger ones, so this also proves the executor's splitting into MAX_MESSAGE pieces.
+tree and recursive doubling, MPI's own temporary for ``native``), so 10 GiB for the two ranks.
+MPI-3 message counts are C ints and Open MPI 5.0 refuses larger ones, so this also proves the
+executor's splitting into MAX_MESSAGE pieces.
 """
 
 from __future__ import annotations
