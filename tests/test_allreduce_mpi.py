@@ -228,3 +228,15 @@ def test_algorithm_parameters_are_checked():
         mar.allreduce(x, comm=comm, algorithm="ring", segment_bytes=64)
     with pytest.raises(TypeError, match="takes segment_bytes"):
         mar.allreduce(x, comm=comm, algorithm="ring_segmented", segment=64)
+
+
+def test_auto_above_the_crossover_runs_the_pipelined_ring_and_matches_native():
+    from mpiallreduce.select import LARGE_MESSAGE_BYTES
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, LARGE_MESSAGE_BYTES // 4 + 3, "int32")
+    p = mar.plan(x, comm=comm, algorithm="auto")
+    try:
+        assert p.algorithm == ("ring_segmented" if comm.size > 1 else "native")
+        assert_matches_native(comm, x, p.run(), MPI.SUM)
+    finally:
+        p.free()
