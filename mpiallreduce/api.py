@@ -177,8 +177,12 @@ class _Call:
         count = self.recv.size if self.count is None else self.count
         op = _NO_OP if self.reducer is None else self.reducer.index
         params = zlib.crc32(repr(sorted(self.params.items())).encode()) & 0x7FFFFFFF
+        # a topology that differs between ranks gives mismatched schedules: a hang
+        topology = (-1 if self.topology is None
+                    else zlib.crc32(repr(self.topology.levels).encode()) & 0x7FFFFFFF)
         return [0, count, DTYPES.index(self.recv.dtype), op,
-                COLLECTIVE_ALGORITHMS[self.collective].index(self.algorithm), self.root, params]
+                COLLECTIVE_ALGORITHMS[self.collective].index(self.algorithm), self.root, params,
+                topology]
 
 
 def _local_checks(sendbuf, recvbuf, op, comm, algorithm, topology, params=None) -> _Call:
@@ -226,6 +230,8 @@ def _describe(field_name: str, value: int, names: tuple[str, ...] = ALGORITHMS) 
         return names[value]
     if field_name == "algorithm parameters":
         return f"parameters with checksum {value}"
+    if field_name == "topology":
+        return "no topology" if value == -1 else f"a topology with checksum {value}"
     if field_name == "timeout":
         return "a timeout" if value else "no timeout"
     return str(value)
@@ -238,7 +244,8 @@ def _ranks(ranks: list[int]) -> str:
 #: what the ranks agree on: a bad-input flag, then the fields every rank must pass alike
 #: (whether a timeout is set decides between blocking and non-blocking native collectives,
 #: which MPI never matches with each other).
-_FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "timeout")
+_FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
+           "timeout")
 
 
 def _gather_signatures(state: _CommState, what: str, mine: np.ndarray,
@@ -376,7 +383,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         topology: a ``Topology`` for ``hierarchical``/``cascade`` (default:
             ``Topology.from_comm(comm)``, computed once per communicator, which honours
             ``MPIALLREDUCE_RANKS_PER_NODE``). Its size must be the communicator's.
-        check: agree on count, dtype, op, algorithm and whether a timeout is set across ranks
+        check: agree on count, dtype, op, algorithm, parameters, topology and whether a
+            timeout is set across ranks
             first (one small ``Iallgather``) so a mismatch raises the same ValueError
             everywhere instead of hanging.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever); give it

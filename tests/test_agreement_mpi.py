@@ -77,6 +77,21 @@ def test_a_timeout_on_some_ranks_only_is_a_mismatch():
     _still_works(comm)
 
 
+def test_a_topology_that_differs_between_ranks_is_a_mismatch():
+    """Different topologies give hierarchical schedules whose messages do not match: a hang."""
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 10, "float64")
+    topology = mar.Topology.simulated(comm, ranks_per_node=2 if comm.rank == 1 else 1)
+    with pytest.raises(ValueError) as info:
+        mar.allreduce(x, comm=comm, algorithm="hierarchical", topology=topology)
+    message = _same_everywhere(comm, info.value)
+    assert message.startswith("allreduce called with different arguments on different ranks: "
+                              "topology differs: a topology with checksum ")
+    assert f" on {_others(comm)}; a topology with checksum " in message
+    assert message.endswith(" on rank 1")
+    _still_works(comm)
+
+
 def test_several_mismatches_are_all_named():
     comm = MPI.COMM_WORLD
     x = contribution(comm, 5 + comm.rank, "float64")
