@@ -440,16 +440,28 @@ def _no_in_place(sendbuf, what: str) -> None:
 def _run(call: _Call, count: int, layout: Layout, native, timeout) -> np.ndarray:
     """Run a related collective: MPI's own (``native``) or a schedule through a Plan.
 
+    ``native(private, nonblocking)`` calls MPI's collective, or starts its non-blocking form
+    and returns the request (when a timeout is set).
+
     ``auto`` means ``native`` for these collectives, for the reason given in :mod:`.select`.
     """
     state = _state(call.comm)
     private = state.private
     result = call.recv.reshape(-1)
     if call.algorithm in ("native", "auto"):
-        if count:
-            native(private)
-            if call.reducer is not None and call.reducer.average:
-                np.divide(result, private.Get_size(), out=result)
+        if count and timeout is None:
+            native(private, False)
+        elif count:
+            # non-blocking and polled; the check agreed that every rank has a timeout, since
+            # MPI never matches a blocking collective with a non-blocking one
+            request = native(private, True)
+            if not poll([request], time.monotonic() + timeout):
+                reason = (f"native {call.collective} on rank {private.Get_rank()}: not complete "
+                          f"within {timeout:g} s (MPI does not say which rank is missing)")
+                state.mark_broken(reason, [request])
+                raise CollectiveTimeout(reason)
+        if count and call.reducer is not None and call.reducer.average:
+            np.divide(result, private.Get_size(), out=result)
         return call.recv
     if count == 0:
         return call.recv
@@ -497,8 +509,9 @@ def reduce_scatter(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto
     work = np.empty(n, dtype=call.send.dtype) if call.algorithm not in ("native", "auto") else None
     layout = None if work is None else Layout(
         (work,), ((call.send.reshape(-1), work),), ((work[lo:hi], call.recv.reshape(-1)),))
-    native = lambda private: private.Reduce_scatter(call.send, call.recv, block_counts(n, p),
-                                                    call.reducer.mpi_op)
+    native = lambda private, nonblocking: (
+        private.Ireduce_scatter if nonblocking else private.Reduce_scatter)(
+        call.send, call.recv, block_counts(n, p), call.reducer.mpi_op)
     return _run(call, n, layout, native, timeout)
 
 
@@ -541,7 +554,8 @@ def allgather(sendbuf, recvbuf, comm=None, algorithm="auto", check=True, timeout
     lo, hi = block(n, p, call.comm.Get_rank())
     load = () if call.send is None else ((call.send.reshape(-1), result[lo:hi]),)
     send = MPI.IN_PLACE if call.send is None else call.send
-    native = lambda private: private.Allgatherv(send, [result, block_counts(n, p)])
+    native = lambda private, nonblocking: (private.Iallgatherv if nonblocking else
+                                           private.Allgatherv)(send, [result, block_counts(n, p)])
     return _run(call, n, Layout((result,), load), native, timeout)
 
 
@@ -568,7 +582,8 @@ def bcast(buf, root=0, comm=None, algorithm="auto", check=True, timeout=None):
                      root=int(root))
 
     call = _prepare("bcast", comm, check, local_checks, "bcast", timeout)
-    native = lambda private: private.Bcast(call.recv, call.root)
+    native = lambda private, nonblocking: (private.Ibcast if nonblocking else private.Bcast)(
+        call.recv, call.root)
     return _run(call, call.recv.size, Layout((call.recv.reshape(-1),)), native, timeout)
 
 
@@ -603,5 +618,6 @@ def alltoall(sendbuf, recvbuf=None, comm=None, algorithm="auto", check=True, tim
     send, result = call.send.reshape(-1), call.recv.reshape(-1)
     lo, hi = block(n, p, rank)
     layout = Layout((send, result), ((send[lo:hi], result[lo:hi]),))
-    native = lambda private: private.Alltoall(call.send, call.recv)
+    native = lambda private, nonblocking: (private.Ialltoall if nonblocking else
+                                           private.Alltoall)(call.send, call.recv)
     return _run(call, 2 * n, layout, native, timeout)

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import mpiallreduce as mar
 from mpiallreduce import api
+from mpiallreduce.partition import block, block_counts
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -145,6 +146,35 @@ def test_a_native_plan_times_out():
                                              "native allreduce on rank"):
             p.run()
     p.free()
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "bcast", "alltoall"])
+def test_a_native_related_collective_times_out(collective):
+    """check=False lets the others reach MPI's collective itself while the skipper stays away."""
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT * comm.size, "float64")
+    counts = block_counts(x.size, comm.size)
+    lo, hi = block(x.size, comm.size, comm.rank)
+    mine = x[lo:hi].copy()
+    calls = {  # the call under test, and the same collective started non-blocking
+        "reduce_scatter": (lambda **kw: mar.reduce_scatter(x, **kw),
+                           lambda private: private.Ireduce_scatter(x, np.empty(hi - lo), counts)),
+        "allgather": (lambda **kw: mar.allgather(mine, np.empty_like(x), **kw),
+                      lambda private: private.Iallgatherv(mine, [np.empty_like(x), counts])),
+        "bcast": (lambda **kw: mar.bcast(x.copy(), SKIPPER, **kw),
+                  lambda private: private.Ibcast(x.copy(), SKIPPER)),
+        "alltoall": (lambda **kw: mar.alltoall(x, **kw),
+                     lambda private: private.Ialltoall(x, np.empty_like(x))),
+    }
+    call, start = calls[collective]
+    messages = _skip_or_time_out(comm, lambda: call(comm=comm, algorithm="native", check=False,
+                                                    timeout=TIMEOUT))
+    for rank, message in enumerate(messages[1:], start=1):
+        assert message == (f"native {collective} on rank {rank}: not complete within "
+                           f"{TIMEOUT:g} s (MPI does not say which rank is missing)")
+    _drain_collective(comm, lambda private: start(private).Wait())
     _assert_refused_later(comm)
     comm.Free()
 
