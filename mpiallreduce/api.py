@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from . import algorithms, select
 from .errors import CollectiveTimeout
-from .executor import Layout, NativePlan, Plan, poll, scratch_size
+from .executor import Layout, NativePlan, Plan, check_timeout, poll, scratch_size
 from .ops import DTYPES, OP_NAMES, Reducer, reducer
 from .partition import block, block_counts
 from .topology import Topology
@@ -96,13 +96,6 @@ def _check_comm(comm, what: str = "mpiallreduce") -> None:
                          f"communicator cannot carry more mpiallreduce calls (free it, or Abort)")
 
 
-def _check_timeout(timeout) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-
-
 def _as_array(obj, name: str, writable: bool) -> np.ndarray:
     """View ``obj`` as a NumPy array without copying; raise for anything we cannot use."""
     if isinstance(obj, np.ndarray):
@@ -115,7 +108,7 @@ def _as_array(obj, name: str, writable: bool) -> np.ndarray:
     else:
         try:
             array = np.asarray(memoryview(obj))
-        except TypeError:
+        except (TypeError, BufferError):
             raise TypeError(f"{name} must be a NumPy array or expose the buffer protocol, "
                             f"got {type(obj).__name__}") from None
     if not array.flags.c_contiguous:
@@ -301,13 +294,13 @@ def _prepare(what, comm, check, local_checks, collective="allreduce", timeout=No
     comm = MPI.COMM_WORLD if comm is None else comm
     _check_comm(comm, what)
     if not check:
-        _check_timeout(timeout)
+        check_timeout(timeout)
         call = local_checks(comm)
         _state(comm)
         return call
     call = error = bound = None
     try:
-        _check_timeout(timeout)
+        check_timeout(timeout)
         bound = timeout  # the check itself keeps to a valid timeout, even if other input is bad
         call = local_checks(comm)
         signature = call.signature + [timeout is not None]

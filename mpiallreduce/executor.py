@@ -28,6 +28,14 @@ _TAG_SPAN = 32768
 MAX_MESSAGE = 1 << 30
 
 
+def check_timeout(timeout) -> None:
+    """Raise ValueError unless ``timeout`` is None or a positive number of seconds."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
 def poll(requests, deadline: float) -> bool:
     """Test ``requests`` until all complete (True) or ``deadline`` (time.monotonic) passes (False).
 
@@ -270,10 +278,9 @@ class Plan:
         if self._broken:
             raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
         timeout = self.timeout if timeout is None else timeout
+        check_timeout(timeout)
         if timeout is None:
             return None, None
-        if timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         return timeout, time.monotonic() + timeout
 
     def _expire(self, requests, bound: _BoundStep, timeout: float) -> None:

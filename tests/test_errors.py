@@ -163,3 +163,13 @@ def test_a_bad_call_changes_nothing():
     with pytest.raises(TypeError):
         mar.allreduce(np.ones(10), out, op=MPI.BAND, algorithm="ring")
     assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+@pytest.mark.parametrize("timeout", [True, "5", -1, 0])
+def test_plan_run_checks_its_timeout_like_allreduce(algorithm, timeout):
+    x = np.arange(4.0)
+    with mar.plan(x, algorithm=algorithm) as p:
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            p.run(timeout=timeout)
+        assert np.array_equal(p.run(), x)  # a refused argument leaves the plan usable
