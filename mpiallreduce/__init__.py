@@ -1,6 +1,7 @@
 """mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
 
-from .api import ALGORITHMS, allgather, allreduce, alltoall, bcast, plan, reduce_scatter
+from .api import ALGORITHMS, allreduce, plan
+from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .errors import CollectiveTimeout, ScheduleError
 from .executor import Plan
 from .ops import AVG

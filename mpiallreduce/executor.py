@@ -8,7 +8,9 @@ built, so :meth:`Plan.run` only starts requests, waits, and combines with NumPy 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +21,10 @@ from .ops import Reducer
 from .partition import segments
 from .schedule import COPY, Step
 
-#: MPI guarantees tags up to 32767; a step's tag is its index modulo this.
-_TAG_SPAN = 32768
+#: tags per plan: a step's tag is ``tag_base + index % STEP_TAGS``. Each plan gets its own block
+#: of tags (its *slot*, see :mod:`._state`), so the messages of two plans never match each other;
+#: steps further apart than this share a tag, which is safe because a rank posts them in order.
+STEP_TAGS = 4096
 
 #: most elements in one MPI message. MPI-3 counts are C ints, and Open MPI 5.0 rejects larger
 #: ones (MPI_ERR_ARG) even through mpi4py 4, so a longer range travels as several messages of
@@ -36,19 +40,63 @@ def check_timeout(timeout) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
+#: seconds a wait with a deadline spins (yielding the core between tests) before it sleeps.
+SPIN_SECONDS = 2e-3
+
+
 def poll(requests, deadline: float) -> bool:
     """Test ``requests`` until all complete (True) or ``deadline`` (time.monotonic) passes (False).
 
-    Backs off from 1 µs to 1 ms between tests, so a short wait stays short and a long one
-    leaves the core to the peers (this machine may run more ranks than cores).
+    Spins for :data:`SPIN_SECONDS`, yielding the core between tests (``sched_yield``: cheap when
+    nobody else wants it, fair when more ranks than cores share it), then sleeps from 50 µs up
+    to 1 ms between tests. A plain ``time.sleep`` of 1 µs sleeps ~60-90 µs on Linux, which made
+    every short wait with a timeout that slow.
     """
-    pause = 1e-6
-    while not MPI.Request.Testall(requests):
+    testall = MPI.Request.Testall
+    if testall(requests):
+        return True
+    now = time.monotonic()
+    spin_until = min(now + SPIN_SECONDS, deadline)
+    while now < spin_until:
+        os.sched_yield()
+        if testall(requests):
+            return True
+        now = time.monotonic()
+    pause = 5e-5
+    while not testall(requests):
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
     return True
+
+
+def wait(requests, deadline: float | None) -> bool:
+    """Wait for ``requests`` (forever when ``deadline`` is None); False if the deadline passed."""
+    if deadline is None:
+        MPI.Request.Waitall(requests)
+        return True
+    return poll(requests, deadline)
+
+
+def flat(array: np.ndarray) -> np.ndarray:
+    """Return a 1-D view of a C- or Fortran-contiguous array, in memory order (as MPI reads it)."""
+    return array.reshape(-1, order="A")
+
+
+def _release(requests: list, owned_comm) -> None:
+    """Free persistent requests (and a communicator the plan owns) unless MPI is finalized."""
+    if MPI.Is_finalized():
+        return
+    for request in requests:
+        if request != MPI.REQUEST_NULL:
+            # a cancelled request after a timeout may refuse; nothing leaks
+            with contextlib.suppress(MPI.Exception):
+                request.Free()
+    requests.clear()
+    if owned_comm is not None and owned_comm != MPI.COMM_NULL:
+        with contextlib.suppress(MPI.Exception):
+            owned_comm.Free()
 
 
 
@@ -91,8 +139,8 @@ class Layout:
     @classmethod
     def allreduce(cls, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Layout:
         """Work in ``recvbuf``; copy ``sendbuf`` (unless in place) into it first."""
-        result = recvbuf.reshape(-1)
-        load = () if sendbuf is None else ((sendbuf.reshape(-1), result),)
+        result = flat(recvbuf)
+        load = () if sendbuf is None else ((flat(sendbuf), result),)
         return cls((result,), load)
 
     def view(self, start: int, stop: int) -> np.ndarray:
@@ -152,39 +200,109 @@ def scratch_size(steps: tuple[Step, ...]) -> int:
     return need * (2 if any(defer) else 1)
 
 
-class Plan:
+class _PlanBase:
+    """What every plan shares: lifetime, timeouts, refusal after a timeout, ``with`` blocks.
+
+    ``state`` is the communicator's :class:`~mpiallreduce._state.CommState` (or any object with
+    ``broken`` and ``mark_broken``): once a collective on that communicator timed out, its
+    messages may still be in flight, so every plan on it refuses to run.
+    """
+
+    algorithm: str
+
+    def __init__(self, comm: MPI.Intracomm, sendbuf, recvbuf: np.ndarray,
+                 reducer: Reducer | None, *, timeout: float | None, state=None, owned_comm=None):
+        self.comm = comm
+        self.reducer = reducer
+        self.timeout = timeout
+        self.sendbuf = sendbuf
+        self.recvbuf = recvbuf
+        self._state = state
+        self._result = flat(recvbuf)
+        self._average = reducer is not None and reducer.average
+        self._nranks = comm.Get_size()
+        self._broken: str | None = None
+        self._freed = False
+        self._requests: list = []  # every persistent request, for free() and the finalizer
+        # A plan dropped without free() still releases its requests (and its own communicator);
+        # not at interpreter exit, where MPI may already be finalized.
+        self._finalizer = weakref.finalize(self, _release, self._requests, owned_comm)
+        self._finalizer.atexit = False
+
+    def _start(self, timeout: float | None) -> tuple[float | None, float | None]:
+        """Refuse a freed or broken plan; return the run's timeout and its deadline."""
+        if self._freed:
+            raise ValueError("this plan has been freed")
+        if self._broken:
+            raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
+        state = self._state
+        if state is not None and state.broken:
+            raise ValueError(f"an earlier collective on this communicator timed out "
+                             f"({state.broken}); its messages may still be in flight, so no plan "
+                             f"on this communicator can run again (free it, or Abort)")
+        if timeout is None:
+            timeout = self.timeout
+            if timeout is None:
+                return None, None
+        check_timeout(timeout)
+        return timeout, time.monotonic() + timeout
+
+    def _fail(self, reason: str, pending=()) -> None:
+        """Mark the plan and its communicator unusable, then raise CollectiveTimeout.
+
+        ``pending`` are requests MPI cannot cancel (collective ones); the state keeps them.
+        """
+        self._broken = reason
+        if self._state is not None:
+            self._state.mark_broken(reason, list(pending))
+        raise CollectiveTimeout(f"{reason}; the plan is unusable now")
+
+    def free(self) -> None:
+        """Release the plan's persistent requests (idempotent)."""
+        if not self._freed:
+            self._freed = True
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        op = self.reducer.name if self.reducer is not None else "none"
+        return (f"<mpiallreduce.Plan {self.algorithm} count={self._result.size} "
+                f"dtype={self._result.dtype} op={op} ranks={self._nranks}>")
+
+
+class Plan(_PlanBase):
     """A collective bound to its buffers; ``run()`` repeats it without allocating.
 
     Build plans with :func:`mpiallreduce.plan`, not directly. A plan is collective: every rank
-    builds it and runs it the same number of times. ``free()`` (or a ``with`` block) releases
-    its persistent requests; the buffers stay the caller's.
+    builds it and runs it the same number of times, and plans on one communicator run in the
+    same order on every rank. Its messages carry tags of its own slot (``tag_base``), so they
+    never match another plan's. ``free()`` (or a ``with`` block) releases its persistent
+    requests; the buffers stay the caller's.
     """
 
     def __init__(self, comm: MPI.Intracomm, steps: tuple[Step, ...], sendbuf: np.ndarray | None,
                  recvbuf: np.ndarray, reducer: Reducer | None, algorithm: str, *,
-                 persistent: bool = True, scratch: np.ndarray | None = None,
-                 timeout: float | None = None, layout: Layout | None = None, on_timeout=None):
+                 label: str | None = None, persistent: bool = True,
+                 scratch: np.ndarray | None = None, timeout: float | None = None,
+                 layout: Layout | None = None, state=None, tag_base: int = 0):
         """Bind ``steps`` to buffers.
 
         By default (allreduce) the schedule works in ``recvbuf`` and ``sendbuf`` is copied into it
         first; other collectives pass a :class:`Layout`. ``recvbuf`` is what ``run()`` returns
         (and divides by p for AVG). ``reducer`` may be ``None`` for collectives that only copy.
-        ``on_timeout(reason, pending)`` is called when a run times out, before it raises.
+        ``label`` names the collective in timeout messages (default ``"<algorithm> allreduce"``).
         """
-        self.comm = comm
-        self.on_timeout = on_timeout
+        super().__init__(comm, sendbuf, recvbuf, reducer, timeout=timeout, state=state)
         self.algorithm = algorithm
-        self.reducer = reducer
-        self.timeout = timeout
-        self.sendbuf = sendbuf
-        self.recvbuf = recvbuf
+        self._label = label or f"{algorithm} allreduce"
         self._layout = layout or Layout.allreduce(sendbuf, recvbuf)
-        self._result = recvbuf.reshape(-1)
-        self._average = reducer is not None and reducer.average
-        self._nranks = comm.Get_size()
         self._persistent = persistent
-        self._broken: str | None = None
-        self._freed = False
+        self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
         total = need * (2 if any(defer) else 1)
         if scratch is None or scratch.size < total or scratch.dtype != recvbuf.dtype:
@@ -195,6 +313,11 @@ class Plan:
         self._steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
                                   defer[position])
                        for position, (index, step) in enumerate(_nonempty(steps))]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of scratch this plan holds (its buffers are the caller's)."""
+        return self._scratch.nbytes
 
     def _bind(self, index: int, step: Step, offset: int, defer: bool) -> _BoundStep:
         view_of, scratch = self._layout.view, self._scratch
@@ -217,9 +340,10 @@ class Plan:
                  for start, stop in segments(s.start, s.stop, MAX_MESSAGE) if stop > start]
         requests = []
         if self._persistent:
-            tag = index % _TAG_SPAN
+            tag = self._tag_base + index % STEP_TAGS
             requests = ([self.comm.Recv_init(view, peer, tag) for peer, view in recvs]
                         + [self.comm.Send_init(view, peer, tag) for peer, view in sends])
+            self._requests.extend(requests)
         return _BoundStep(index, recvs, sends, combines, requests, defer)
 
     # -- running -----------------------------------------------------------------------------
@@ -229,7 +353,8 @@ class Plan:
 
         Args:
             timeout: seconds to wait for the whole collective (default: the plan's). When it
-                passes, raise :class:`CollectiveTimeout`; the plan is unusable afterwards.
+                passes, raise :class:`CollectiveTimeout`; the plan and its communicator are
+                unusable afterwards.
         """
         timeout, deadline = self._start(timeout)
         for source, destination in self._layout.load:
@@ -240,7 +365,7 @@ class Plan:
                 requests = bound.requests
                 MPI.Prequest.Startall(requests)
             else:
-                tag = bound.index % _TAG_SPAN
+                tag = self._tag_base + bound.index % STEP_TAGS
                 requests = ([self.comm.Irecv(view, peer, tag) for peer, view in bound.recvs]
                             + [self.comm.Isend(view, peer, tag) for peer, view in bound.sends])
             if pending is not None:
@@ -271,18 +396,6 @@ class Plan:
             else:
                 self.reducer.combine(combine.scratch, combine.target, combine.order)
 
-    def _start(self, timeout: float | None) -> tuple[float | None, float | None]:
-        """Refuse a freed or broken plan; return the run's timeout and its deadline."""
-        if self._freed:
-            raise ValueError("this plan has been freed")
-        if self._broken:
-            raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
-        timeout = self.timeout if timeout is None else timeout
-        check_timeout(timeout)
-        if timeout is None:
-            return None, None
-        return timeout, time.monotonic() + timeout
-
     def _expire(self, requests, bound: _BoundStep, timeout: float) -> None:
         """Give up on a step past its deadline: cancel its receives, mark the plan, raise."""
         nrecv = len(bound.recvs)
@@ -295,88 +408,55 @@ class Plan:
                 request.Cancel()
                 request.Test()  # completes the cancel if it took
         peers = ", ".join(map(str, waiting or unsent))
-        # related collectives are named "<collective> <algorithm>" by their caller
-        label = self.algorithm if " " in self.algorithm else f"{self.algorithm} allreduce"
-        self._fail(f"{label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} in "
-                   f"step {bound.index} within {timeout:g} s")
-
-    def _fail(self, reason: str, pending=()) -> None:
-        """Mark the plan unusable, tell the communicator's owner, raise CollectiveTimeout.
-
-        ``pending`` are requests MPI cannot cancel (collective ones); the owner keeps them.
-        """
-        self._broken = reason
-        if self.on_timeout is not None:
-            self.on_timeout(reason, list(pending))
-        raise CollectiveTimeout(f"{reason}; the plan is unusable now")
-
-    # -- lifetime ----------------------------------------------------------------------------
-
-    def free(self) -> None:
-        """Release the plan's persistent requests (idempotent)."""
-        if self._freed:
-            return
-        self._freed = True
-        for bound in self._steps:
-            for request in bound.requests:
-                if request != MPI.REQUEST_NULL:
-                    # a cancelled request after a timeout may refuse; nothing leaks
-                    with contextlib.suppress(MPI.Exception):
-                        request.Free()
-            bound.requests = []
-
-    def __enter__(self) -> Plan:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.free()
-
-    def __repr__(self) -> str:
-        return (f"<mpiallreduce.Plan {self.algorithm} count={self._result.size} "
-                f"dtype={self._result.dtype} op={self.reducer.name} ranks={self._nranks}>")
+        self._fail(f"{self._label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} "
+                   f"in step {bound.index} within {timeout:g} s (a rank did not make this call, "
+                   f"or ranks run plans or calls on this communicator in different orders)")
 
 
-class NativePlan(Plan):
+class NativePlan(_PlanBase):
     """MPI's own ``Allreduce`` behind the Plan interface: the ground truth.
 
     Without a timeout each run is one blocking ``Allreduce`` per piece of at most
     :data:`MAX_MESSAGE` elements; with one, ``Iallreduce`` polled up to the deadline (MPI cannot
     cancel a collective, so after a timeout the plan and the communicator are unusable).
+
+    MPI matches collectives on one communicator by order alone, so an explicit plan runs on a
+    communicator of its own (``owned``, freed with the plan): two native plans run in different
+    orders on different ranks then wait for each other instead of swapping results. One-shot
+    calls share the communicator's private duplicate, matched in call order as MPI's are.
     """
 
-    def __init__(self, comm, sendbuf, recvbuf, reducer: Reducer, *, timeout=None, on_timeout=None,
-                 **_):
-        self.comm = comm
-        self.on_timeout = on_timeout
-        self.algorithm = "native"
-        self.reducer = reducer
-        self.timeout = timeout
-        self.sendbuf = sendbuf
-        self.recvbuf = recvbuf
-        self._nranks = comm.Get_size()
-        self._freed = False
-        self._broken = None
-        self._steps = []
-        self._result = recvbuf.reshape(-1)
-        send = None if sendbuf is None else sendbuf.reshape(-1)
+    algorithm = "native"
+
+    def __init__(self, comm, sendbuf, recvbuf, reducer: Reducer, *, timeout=None, state=None,
+                 owned: bool = False):
+        super().__init__(comm, sendbuf, recvbuf, reducer, timeout=timeout, state=state,
+                         owned_comm=comm if owned else None)
+        send = None if sendbuf is None else flat(sendbuf)
         self._pieces = [(MPI.IN_PLACE if send is None else send[start:stop], self._result[start:stop])
                         for start, stop in segments(0, self._result.size, MAX_MESSAGE)
                         if stop > start]
+        self._op = reducer.mpi_op
+
+    @property
+    def nbytes(self) -> int:
+        return 0
 
     def run(self, timeout: float | None = None) -> np.ndarray:
         """Call MPI's ``Allreduce`` (``Iallreduce`` polled up to ``timeout`` when one is set)."""
         timeout, deadline = self._start(timeout)
-        op = self.reducer.mpi_op
+        op, comm = self._op, self.comm
         for send, recv in self._pieces:
             if deadline is None:
-                self.comm.Allreduce(send, recv, op)
+                comm.Allreduce(send, recv, op)
                 continue
-            request = self.comm.Iallreduce(send, recv, op)
+            request = comm.Iallreduce(send, recv, op)
             if not poll([request], deadline):
-                self._fail(f"native allreduce on rank {self.comm.Get_rank()}: not complete "
-                           f"within {timeout:g} s (MPI does not say which rank is missing)",
-                           [request])
-        if self.reducer.average:
+                self._fail(f"native allreduce on rank {comm.Get_rank()}: not complete within "
+                           f"{timeout:g} s (a rank did not make this call, or ranks run plans or "
+                           f"calls on this communicator in different orders; MPI does not say "
+                           f"which rank is missing)", [request])
+        if self._average:
             np.divide(self._result, self._nranks, out=self._result)
         return self.recvbuf
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 from mpi4py import MPI
@@ -114,3 +115,35 @@ def reducer(op, dtype: np.dtype) -> Reducer:
                         f"{', '.join(OP_NAMES)} or a user op from MPI.Op.Create")
     commutative = op.Is_commutative()
     return Reducer("user", op, None, commutative, False, -1 if commutative else -2)
+
+
+#: the integer dtypes whose SUM/PROD overflow so easily that a saturating native op shows.
+NARROW_INTS = tuple(np.dtype(t) for t in ("int8", "uint8", "int16", "uint16"))
+
+
+@cache
+def native_deviates(name: str, dtype: np.dtype) -> bool:
+    """Does MPI's own ``name`` op (SUM or PROD) on 8/16-bit ``dtype`` overflow non-modularly?
+
+    MPI defines integer arithmetic as C's (modular for unsigned types, wrapping in practice
+    for signed ones). Open MPI's ``op/avx`` component saturates SUM on these types instead for
+    vectorised lengths (upstream open-mpi/ompi#8045, closed as won't fix); MPICH wraps. The probe
+    is local and costs no message: ``Op.Reduce_local`` runs the same op functions as Open MPI's
+    collectives, on lengths that take the vector path and its scalar tail.
+    """
+    dtype = np.dtype(dtype)
+    if name not in ("SUM", "PROD") or dtype not in NARROW_INTS:
+        return False
+    op, ufunc = (MPI.SUM, np.add) if name == "SUM" else (MPI.PROD, np.multiply)
+    info = np.iinfo(dtype)
+    for length in (1, 7, 64, 257, 1031):
+        for value in (info.max - 1, info.min + 1):
+            if value == 0:
+                continue
+            received = np.full(length, value, dtype=dtype)
+            local = received.copy()
+            op.Reduce_local(received, local)
+            with np.errstate(over="ignore"):
+                if not np.array_equal(local, ufunc(received, received)):
+                    return True
+    return False

@@ -16,6 +16,9 @@ from .ops import Reducer
 
 #: bytes per rank from which ``auto`` prefers the pipelined ring to native (measured crossover).
 LARGE_MESSAGE_BYTES = 32 << 20
+#: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
+#: per rank and the ring from here on (the results are modular either way).
+MODULAR_RING_BYTES = 1 << 16
 
 
 def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:

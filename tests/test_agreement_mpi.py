@@ -9,7 +9,7 @@ from conftest import assert_matches_native, contribution
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import api
+from mpiallreduce import _agree, _checks, _plans, _state
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -65,16 +65,37 @@ def test_a_mismatch_raises_the_same_error_on_every_rank(kind, entry):
     _still_works(comm)
 
 
-def test_a_timeout_on_some_ranks_only_is_a_mismatch():
-    """A timeout makes native collectives non-blocking; MPI never matches the two kinds."""
-    comm = MPI.COMM_WORLD
+def test_a_timeout_on_some_ranks_only_times_out_there():
+    """With a timeout the check is a polled Iallreduce, without one a blocking Allreduce, and MPI
+    never matches the two kinds: the ranks with a timeout raise CollectiveTimeout naming the
+    likely causes; the others wait (here rank 1 lets them go by joining their check, which then
+    reports the difference)."""
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
     x = contribution(comm, 10, "float64")
-    with pytest.raises(ValueError) as info:
-        mar.allreduce(x, comm=comm, algorithm="native", timeout=30 if comm.rank == 1 else None)
-    assert _same_everywhere(comm, info.value) == (
-        f"allreduce called with different arguments on different ranks: timeout differs: "
-        f"no timeout on {_others(comm)}; a timeout on rank 1")
-    _still_works(comm)
+    mar.allreduce(x, comm=comm)  # the state exists: the call under test goes straight to the check
+    if comm.rank == 1:
+        with pytest.raises(mar.CollectiveTimeout, match=r"the argument check did not complete "
+                           r"within 0\.5 s; some rank of the communicator has not made this call, "
+                           r"or runs calls on it in a different order, or passed check=False"):
+            mar.allreduce(x, comm=comm, algorithm="native", timeout=0.5)
+        # release the others: a blocking check with this rank's signature, then the details
+        fields = _checks.allreduce_call(x, None, MPI.SUM, comm, "native", None).signature(0.5)
+        signature = _agree.Signature(fields)
+        checker = _state.state(comm).checker
+        checker.Allreduce(signature.packed, signature.result, MPI.MAX)
+        checker.allgather((fields, None))
+        message = None
+    else:
+        with pytest.raises(ValueError) as info:
+            mar.allreduce(x, comm=comm, algorithm="native")
+        message = str(info.value)
+        assert message.startswith("allreduce called with different arguments on different "
+                                  "ranks: "), message
+        assert message.endswith("timeout differs: no timeout on " + _others(comm)
+                                + "; a timeout on rank 1"), message
+    world.Barrier()
+    comm.Free()
 
 
 def test_a_topology_that_differs_between_ranks_is_a_mismatch():
@@ -146,8 +167,10 @@ def test_the_same_bad_input_everywhere_gives_the_plain_message():
 def test_a_plan_checks_once_when_built(monkeypatch, algorithm):
     comm = MPI.COMM_WORLD
     calls = []
-    real = api._agree
-    monkeypatch.setattr(api, "_agree", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    real = _agree.agree
+    counting = lambda *args, **kw: calls.append(1) or real(*args, **kw)
+    monkeypatch.setattr(_agree, "agree", counting)
+    monkeypatch.setattr(_plans, "agree", counting)
     x = contribution(comm, 50, "float64")
     out = np.empty_like(x)
     with mar.plan(x, out, comm=comm, algorithm=algorithm) as p:

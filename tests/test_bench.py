@@ -318,18 +318,18 @@ def test_broken_algorithm_fails_validation_and_exits_nonzero_on_every_rank(monke
 def test_broken_schedule_fails_validation(monkeypatch):
     """A schedule that only reduce-scatters: every rank misses most of the result."""
     comm = MPI.COMM_WORLD
-    from mpiallreduce import algorithms, api
+    from mpiallreduce import _plans, algorithms
     from mpiallreduce.algorithms.ring import ring_reduce_scatter
 
     broken = algorithms.Algorithm("ring", lambda rank, nranks, count, topology=None:
                                   ring_reduce_scatter(rank, nranks, count), True, "broken")
     monkeypatch.setitem(algorithms.REGISTRY, "ring", broken)
-    api._steps.cache_clear()
+    _plans.SCHEDULES.clear()
     try:
         status, text = _run(comm, ["--sizes", "64:128", "--iterations", "2",
                                    "--algorithms", "ring"])
     finally:
-        api._steps.cache_clear()
+        _plans.SCHEDULES.clear()
     assert status == bench.EXIT_FAIL
     assert "# validation FAILED: ring at 64, ring at 128" in text
 

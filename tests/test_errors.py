@@ -36,11 +36,11 @@ def _affine(inbuf, inoutbuf, datatype):
 CASES = {
     "recvbuf not contiguous": (
         lambda: dict(sendbuf=np.zeros(10), recvbuf=np.zeros(20)[::2]),
-        ValueError, r"recvbuf must be C-contiguous \(got strides \(16,\)\); "
+        ValueError, r"recvbuf must be contiguous \(C or Fortran order; got strides \(16,\)\); "
                     r"pass np.ascontiguousarray\(recvbuf\)"),
     "sendbuf not contiguous": (
         lambda: dict(sendbuf=np.zeros((4, 4))[:, 1], recvbuf=np.zeros(4)),
-        ValueError, r"sendbuf must be C-contiguous"),
+        ValueError, r"sendbuf must be contiguous \(C or Fortran order"),
     "recvbuf read-only": (
         lambda: dict(sendbuf=np.zeros(10), recvbuf=_read_only(np.zeros(10))),
         ValueError, r"recvbuf is read-only; the result needs a writable buffer"),

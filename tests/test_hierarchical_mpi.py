@@ -9,7 +9,7 @@ from conftest import affine_compose, affine_maps, assert_matches_native, awkward
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce.api import _state
+from mpiallreduce._state import state as _state
 from mpiallreduce.topology import RANKS_PER_NODE_ENV, Topology
 
 pytestmark = pytest.mark.mpi

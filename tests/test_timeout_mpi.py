@@ -19,7 +19,7 @@ from conftest import assert_matches_native, contribution
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import api
+from mpiallreduce import _agree, _state
 from mpiallreduce.partition import block, block_counts
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -60,7 +60,7 @@ def _skip_or_time_out(comm, call):
 
 def _drain_messages(comm):
     """Receive every point-to-point message left on the private Dup; end with a flush mark."""
-    private = api._state(comm).private
+    private = _state.state(comm).private
     flush = private.Get_attr(MPI.TAG_UB)
     marks = [private.Isend(np.empty(0), peer, flush) for peer in range(comm.size) if peer != comm.rank]
     buf, status = np.empty(COUNT), MPI.Status()
@@ -80,9 +80,9 @@ def _drain_collective(comm, complete):
     ``complete`` must start the same non-blocking collective: MPI never matches a blocking
     collective with a non-blocking one.
     """
-    state = api._state(comm)
+    state = _state.state(comm)
     if comm.rank == SKIPPER:
-        complete(state.private)
+        complete(state)
     else:
         assert len(state.stale) == 1
         MPI.Request.Waitall(state.stale)
@@ -106,7 +106,9 @@ def test_a_skipped_call_times_out_inside_the_schedule(algorithm):
     pattern = rf"{algorithm} allreduce on rank \d+: no answer from rank\(s\) [\d, ]+ in step \d+ "
     for message in messages[1:]:
         assert message is not None
-        assert message.endswith(f"within {TIMEOUT:g} s; the plan is unusable now")
+        assert message.endswith(f"within {TIMEOUT:g} s (a rank did not make this call, or ranks "
+                                f"run plans or calls on this communicator in different orders); "
+                                f"the plan is unusable now")
         assert re.match(pattern, message), message
     assert any(f"no answer from rank(s) {SKIPPER} in step" in m for m in messages[1:]), messages
     _drain_messages(comm)
@@ -123,10 +125,11 @@ def test_a_skipped_call_times_out_in_the_argument_check(algorithm):
     for rank, message in enumerate(messages[1:], start=1):
         assert message == (f"allreduce on rank {rank}: the argument check did not complete "
                            f"within {TIMEOUT:g} s; some rank of the communicator has not made "
-                           f"this call (no data has moved yet)")
-    fields = len(api._FIELDS)
-    _drain_collective(comm, lambda private: private.Iallgather(
-        np.zeros(fields, dtype=np.int64), np.empty((comm.size, fields), dtype=np.int64)).Wait())
+                           f"this call, or runs calls on it in a different order, or passed "
+                           f"check=False (no data has moved yet)")
+    fields = 2 * len(_agree.FIELDS)
+    _drain_collective(comm, lambda state: state.checker.Iallreduce(
+        np.zeros(fields, dtype=np.int64), np.empty(fields, dtype=np.int64), MPI.MAX).Wait())
     _assert_refused_later(comm)
     comm.Free()
 
@@ -139,8 +142,11 @@ def test_a_native_plan_times_out():
     messages = _skip_or_time_out(comm, lambda: p.run(timeout=TIMEOUT))
     for rank, message in enumerate(messages[1:], start=1):
         assert message == (f"native allreduce on rank {rank}: not complete within {TIMEOUT:g} s "
-                           f"(MPI does not say which rank is missing); the plan is unusable now")
-    _drain_collective(comm, lambda private: private.Iallreduce(x, np.empty_like(x), MPI.SUM).Wait())
+                           f"(a rank did not make this call, or ranks run plans or calls on this "
+                           f"communicator in different orders; MPI does not say which rank is "
+                           f"missing); the plan is unusable now")
+    # an explicit native plan runs on a communicator of its own
+    _drain_collective(comm, lambda state: p.comm.Iallreduce(x, np.empty_like(x), MPI.SUM).Wait())
     if comm.rank != SKIPPER:
         with pytest.raises(ValueError, match="this plan is unusable after an earlier timeout: "
                                              "native allreduce on rank"):
@@ -174,7 +180,7 @@ def test_a_native_related_collective_times_out(collective):
     for rank, message in enumerate(messages[1:], start=1):
         assert message == (f"native {collective} on rank {rank}: not complete within "
                            f"{TIMEOUT:g} s (MPI does not say which rank is missing)")
-    _drain_collective(comm, lambda private: start(private).Wait())
+    _drain_collective(comm, lambda state: start(state.private).Wait())
     _assert_refused_later(comm)
     comm.Free()
 

@@ -1,0 +1,164 @@
+"""The cross-rank agreement check (``check=True``): one small constant-size collective.
+
+Every rank contributes its signature (a bad-input flag, count, dtype, op, algorithm, root,
+parameter and topology checksums, whether a timeout is set) together with its negation, and
+one ``Allreduce(MAX)`` of those 2 x 9 int64 (144 bytes per rank, whatever the number of ranks)
+gives every rank the maximum and the minimum of every field. Where they are equal everywhere
+and no rank flagged bad input, the call goes ahead. Otherwise, and only then, the ranks
+exchange their full signatures and error messages (an ``allgather``: every rank got past the
+first collective, so it cannot hang) and raise the same exception on every rank.
+
+The check runs on a duplicate of its own (``CommState.checker``), so a rank that skips it
+(``check=False`` where others check) leaves the others waiting, or timing out, instead of
+matching data with signatures. User ops are told apart only by commutativity: MPI gives no
+rank-independent name for them.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+from mpi4py import MPI
+
+from ._checks import COLLECTIVE_ALGORITHMS, check_comm
+from ._state import state as comm_state
+from .errors import CollectiveTimeout
+from .executor import check_timeout, poll
+from .ops import DTYPES, OP_NAMES
+
+#: field names of the signature; the first is the bad-input flag.
+FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
+          "timeout")
+#: signature field a rank could not determine (its own input was bad).
+UNKNOWN = -9
+
+
+def bad_signature() -> list[int]:
+    return [1] + [UNKNOWN] * (len(FIELDS) - 1)
+
+
+class Signature:
+    """A signature packed for the check: ``[fields..., -fields...]`` and room for the result."""
+
+    __slots__ = ("fields", "packed", "result")
+
+    def __init__(self, fields: list[int]):
+        self.fields = fields
+        self.packed = array("q", fields + [-value for value in fields])
+        self.result = array("q", bytes(8 * len(self.packed)))
+
+
+def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Exception | None,
+          names: tuple[str, ...], timeout: float | None = None, on_timeout=None) -> None:
+    """Raise the same exception on every rank if any rank's input was bad or ranks disagree.
+
+    ``on_timeout(reason, pending)`` marks the communicator unusable before CollectiveTimeout.
+    """
+    if timeout is None:
+        checker.Allreduce(signature.packed, signature.result, MPI.MAX)
+    else:
+        request = checker.Iallreduce(signature.packed, signature.result, MPI.MAX)
+        if not poll([request], time.monotonic() + timeout):
+            reason = (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
+                      f"within {timeout:g} s; some rank of the communicator has not made this "
+                      f"call, or runs calls on it in a different order, or passed check=False "
+                      f"(no data has moved yet)")
+            if on_timeout is not None:
+                on_timeout(reason, [request])
+            raise CollectiveTimeout(reason)
+    if signature.result == signature.packed and error is None:
+        return
+    disagree(checker, what, signature.fields, error, names)
+
+
+def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exception | None,
+             names: tuple[str, ...]) -> None:
+    """The slow path: exchange signatures and errors, raise one exception on every rank."""
+    table = checker.allgather((mine, None if error is None else (type(error), str(error))))
+    failed = [rank for rank, (fields, _) in enumerate(table) if fields[0]]
+    if failed:
+        reports = [table[rank][1] for rank in failed]
+        if error is not None and len(failed) == len(table) and len(set(reports)) == 1:
+            raise error  # the same bad input everywhere: the plain local message
+        groups: dict[tuple, list[int]] = {}
+        for rank, report in zip(failed, reports):
+            groups.setdefault(report, []).append(rank)
+        message = f"{what}: bad input on " + "; ".join(
+            f"{_ranks(ranks)}: {text}" for (_, text), ranks in groups.items())
+        raise _same_kind(reports[0][0], message) from error
+    problems = []
+    for column, name in enumerate(FIELDS):
+        values = [fields[column] for fields, _ in table]
+        if column == 0 or len(set(values)) == 1:
+            continue
+        groups = {}
+        for rank, value in enumerate(values):
+            groups.setdefault(value, []).append(rank)
+        problems.append(f"{name} differs: " + "; ".join(
+            f"{describe(name, value, names)} on {_ranks(ranks)}" for value, ranks in groups.items()))
+    raise ValueError(f"{what} called with different arguments on different ranks: "
+                     + "; ".join(problems))
+
+
+def _same_kind(kind: type, message: str) -> Exception:
+    """An exception of ``kind`` carrying ``message``, or a RuntimeError if kind needs more."""
+    try:
+        return kind(message)
+    except Exception:
+        return RuntimeError(f"{kind.__name__}: {message}")
+
+
+def prepare(what: str, comm, check: bool, local_checks, collective: str = "allreduce",
+            timeout=None):
+    """Run ``local_checks(comm)`` and, with ``check``, the agreement; return the checked call.
+
+    The communicator's state is made first (its duplicates within ``timeout``). With ``check``,
+    any exception the local checks raise on some rank is raised on every rank.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    check_comm(comm)
+    valid = None
+    try:
+        check_timeout(timeout)
+        valid = timeout  # the set-up and the check keep to a valid timeout even if input is bad
+    except ValueError:
+        if not check:
+            raise
+    state = comm_state(comm, valid, what)
+    state.refuse_if_broken(what)
+    if not check:
+        return local_checks(comm)
+    call = error = None
+    try:
+        check_timeout(timeout)
+        call = local_checks(comm)
+        signature = Signature(call.signature(timeout))
+    except Exception as exc:  # noqa: BLE001 - every kind must reach every rank
+        error, signature = exc, Signature(bad_signature())
+    agree(state.checker, what, signature, error, COLLECTIVE_ALGORITHMS[collective], valid,
+          state.mark_broken)
+    return call
+
+
+def describe(field_name: str, value: int, names: tuple[str, ...]) -> str:
+    if value == UNKNOWN:
+        return "unknown (bad input)"
+    if field_name == "dtype":
+        return DTYPES[value].name
+    if field_name == "op":
+        return {-1: "a commutative user op", -2: "a non-commutative user op",
+                -3: "no op"}.get(value, OP_NAMES[value] if 0 <= value < len(OP_NAMES) else str(value))
+    if field_name == "algorithm":
+        return names[value]
+    if field_name == "algorithm parameters":
+        return f"parameters with checksum {value}"
+    if field_name == "topology":
+        return "no topology" if value == -1 else f"a topology with checksum {value}"
+    if field_name == "timeout":
+        return "a timeout" if value else "no timeout"
+    return str(value)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

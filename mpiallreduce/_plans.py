@@ -1,0 +1,193 @@
+"""Plan building: resolve ``auto``, build (and cache) schedules, bind plans, cache one-shot calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+from mpi4py import MPI
+
+from . import algorithms, select
+from ._agree import Signature, agree
+from ._checks import ALGORITHMS, Call
+from ._state import CommState
+from .executor import NativePlan, Plan, scratch_size
+from .ops import native_deviates
+
+#: most bytes the schedule cache holds (estimated at :data:`_MESSAGE_BYTES` per message).
+SCHEDULE_CACHE_BYTES = 32 << 20
+_MESSAGE_BYTES = 120
+
+
+class _ScheduleCache:
+    """Per-rank step lists by (algorithm, rank, p, count, topology, parameters), LRU, bounded by
+    an estimate of their bytes so that 4096-rank schedules cannot pile up."""
+
+    def __init__(self, max_bytes: int = SCHEDULE_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.entries: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key, build):
+        with self.lock:
+            found = self.entries.get(key)
+            if found is not None:
+                self.entries.move_to_end(key)
+                return found[0]
+        steps = build()
+        size = _MESSAGE_BYTES * (1 + sum(len(s.sends) + len(s.recvs) for s in steps))
+        if size > self.max_bytes:
+            return steps
+        with self.lock:
+            if key not in self.entries:
+                self.entries[key] = (steps, size)
+                self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, (_, old) = self.entries.popitem(last=False)
+                self.nbytes -= old
+        return steps
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.nbytes = 0
+
+
+SCHEDULES = _ScheduleCache()
+
+
+def steps(name: str, rank: int, nranks: int, count: int, topology, params: tuple = (),
+          collective: str = "allreduce"):
+    """Rank ``rank``'s steps of algorithm ``name`` (cached)."""
+    def build():
+        algorithm = algorithms.get(name, collective)
+        return algorithm.steps(rank, nranks, count, topology=topology,
+                               **{**algorithm.params, **dict(params)})
+    return SCHEDULES.get((name, rank, nranks, count, topology, params, collective), build)
+
+
+def builder_params(name: str, call: Call, collective: str = "allreduce") -> tuple:
+    """The builder parameters of a call: the user's, plus the dtype's itemsize and whether rank
+    order must be kept, where the builder takes them."""
+    params = dict(call.params)
+    accepted = algorithms.get(name, collective).params
+    if "itemsize" in accepted:
+        params["itemsize"] = call.recv.itemsize
+    if "ordered" in accepted:
+        # an algorithm that keeps rank order only in some cases is told whether it must;
+        # it raises ValueError (identically on every rank, before any message) when it cannot
+        params["ordered"] = call.reducer is not None and not call.reducer.commutative
+    return tuple(sorted(params.items()))
+
+
+def resolve(call: Call, nranks: int) -> str:
+    """The algorithm a call runs: its own, or what ``auto`` picks (the same on every rank).
+
+    ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
+    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does.
+    """
+    name = call.algorithm
+    if name != "auto":
+        return name
+    red, nbytes = call.reducer, call.recv.nbytes
+    if nranks > 1 and native_deviates(red.name, call.recv.dtype):
+        return "recursive_doubling" if nbytes < select.MODULAR_RING_BYTES else "ring"
+    return select.choose(nranks, nbytes, red, call.topology)
+
+
+def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
+          timeout: float | None, deadline: float | None = None, what: str = "allreduce"):
+    """Bind a plan for ``call``.
+
+    ``explicit`` plans (``mar.plan``) take a slot of tags of their own, and native ones a
+    communicator of their own; one-shot calls share slot 0 of the private duplicate.
+    ``persistent`` plans own their scratch and persistent requests (cached one-shot plans are);
+    the others borrow the communicator's scratch. ``timeout`` is the plan's default for its
+    runs; ``deadline`` (time.monotonic) bounds the collective set-up a build may need.
+    """
+    private = state.private
+    nranks, rank = private.Get_size(), private.Get_rank()
+    name = resolve(call, nranks)
+    if name == "native":
+        comm = state.duplicate(deadline, what) if explicit else private
+        return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,
+                          owned=explicit)
+    topology = call.topology
+    if algorithms.get(name).uses_topology and topology is None:
+        # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
+        topology = state.default_topology(deadline, what)
+    plan_steps = steps(name, rank, nranks, call.recv.size, topology, builder_params(name, call))
+    scratch = None if persistent else state.scratch_for(call.recv.dtype, scratch_size(plan_steps))
+    tag_base = state.take_slot() if explicit else 0
+    return Plan(private, plan_steps, call.send, call.recv, call.reducer, name,
+                persistent=persistent, scratch=scratch, timeout=timeout, state=state,
+                tag_base=tag_base)
+
+
+# -- the one-shot call cache --------------------------------------------------------------------------
+
+class CallEntry:
+    """A bound one-shot allreduce, kept for the next call with the same objects.
+
+    Holds the objects of the call (so their ``id`` and memory stay theirs), the shape and dtype
+    they had, the plan, and the call's signature packed for the agreement check (with and
+    without a timeout).
+    """
+
+    __slots__ = ("plan", "objects", "shape", "dtype", "send_shape", "signatures", "nbytes", "run")
+
+    def __init__(self, call: Call, plan, objects: tuple):
+        self.plan = plan
+        self.run = plan.run
+        self.objects = objects  # sendbuf, recvbuf, op, topology as passed
+        self.shape, self.dtype = call.recv.shape, call.recv.dtype
+        self.send_shape = None if call.send is None else call.send.shape
+        self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
+        send_bytes = 0 if call.send is None else call.send.nbytes
+        self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
+
+    def matches(self, sendbuf, recvbuf) -> bool:
+        """Do the same objects still have the shape and dtype the plan was bound to?"""
+        return (recvbuf.shape == self.shape and recvbuf.dtype == self.dtype
+                and (self.send_shape is None
+                     or (sendbuf.shape == self.send_shape and sendbuf.dtype == self.dtype)))
+
+    def agree(self, state: CommState, timeout) -> None:
+        agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
+              timeout, state.mark_broken)
+
+    def free(self) -> None:
+        self.plan.free()
+
+
+def call_key(sendbuf, recvbuf, op, algorithm, topology, params: dict) -> tuple:
+    """The cache key of a call: identities of its objects, algorithm and parameters."""
+    return (id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
+            tuple(params.items()) if params else ())
+
+
+def cacheable(sendbuf, recvbuf, call: Call) -> bool:
+    """Only arrays the caller passed (a result allocated per call never repeats) and predefined
+    ops (a user op may be freed and its handle reused while the plan holds it)."""
+    return (isinstance(recvbuf, np.ndarray)
+            and (sendbuf is MPI.IN_PLACE or isinstance(sendbuf, np.ndarray))
+            and call.reducer.index >= 0)
+
+
+def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bool,
+             timeout: float | None) -> np.ndarray:
+    """Run a checked one-shot allreduce, through a cached plan when ``cache``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if cache:
+        plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
+        if state.calls.put(key, CallEntry(call, plan, objects)):
+            return plan.run(timeout)
+        plan.free()
+    plan = build(call, state, explicit=False, persistent=False, timeout=None, deadline=deadline)
+    try:
+        return plan.run(timeout)
+    finally:
+        plan.free()

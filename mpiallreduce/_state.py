@@ -1,0 +1,235 @@
+"""Per-communicator state: private duplicates, plan slots, the call cache, scratch, topology.
+
+mpiallreduce never sends on the user's communicator. The first call on a communicator makes two
+duplicates of it (``Idup``, polled against the call's deadline, so even that first call honours
+``timeout=``) and attaches a :class:`CommState` to it as an MPI attribute:
+
+- ``private`` carries the schedules' point-to-point messages and the native collectives of
+  one-shot calls;
+- ``checker`` carries only the agreement check, so a rank that skips the check (``check=False``
+  where the others check) waits instead of matching its data with another rank's signature.
+
+Messages of different plans never match: every explicit plan takes the next *slot*, a block of
+:data:`~mpiallreduce.executor.STEP_TAGS` tags of its own on ``private`` (slot 0 belongs to the
+one-shot calls, which MPI-like match in call order). Plans are created in the same order on
+every rank (creation is collective), so slot numbers agree without a message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import CollectiveTimeout
+from .executor import STEP_TAGS, poll
+from .topology import Topology
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"{name}={value!r} is not a non-negative integer")
+    return number
+
+
+#: most one-shot plans kept per communicator (``MPIALLREDUCE_CACHE_ENTRIES``; 0 disables the cache).
+CACHE_ENTRIES = _env_int("MPIALLREDUCE_CACHE_ENTRIES", 64)
+#: most bytes (buffers kept alive plus plan scratch) the call cache holds per communicator
+#: (``MPIALLREDUCE_CACHE_BYTES``). A call bigger than this on its own is not cached.
+CACHE_BYTES = _env_int("MPIALLREDUCE_CACHE_BYTES", 64 << 20)
+#: most bytes of shared scratch kept per communicator between uncached calls; a bigger call gets
+#: scratch of its own that is released when it returns.
+SCRATCH_BYTES = _env_int("MPIALLREDUCE_SCRATCH_BYTES", 64 << 20)
+
+
+class CallCache:
+    """Bound one-shot plans of one communicator, least recently used first out.
+
+    Entries are found by the identity of the objects passed (``id`` of sendbuf, recvbuf, op and
+    topology, with algorithm and parameters): the entry keeps those objects alive, so an ``id``
+    cannot be reused by another object while the entry exists, and a hit also checks that the
+    arrays still have the shape and dtype the plan was bound to. Because the buffers are kept
+    alive, their memory cannot be freed and handed to another array while a plan points at it.
+    The cache is bounded by :data:`CACHE_ENTRIES` and :data:`CACHE_BYTES`.
+    """
+
+    def __init__(self, entries: int = CACHE_ENTRIES, nbytes: int = CACHE_BYTES):
+        self.max_entries, self.max_bytes = entries, nbytes
+        self.entries: OrderedDict = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def put(self, key, entry) -> bool:
+        """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""
+        if entry.nbytes > self.max_bytes or self.max_entries == 0:
+            return False
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+            old.free()
+        return True
+
+    def clear(self) -> None:
+        while self.entries:
+            _, old = self.entries.popitem()
+            old.free()
+        self.nbytes = 0
+
+
+@dataclass
+class CommState:
+    """What mpiallreduce keeps per user communicator (see the module docstring).
+
+    ``broken`` is set when a collective on it timed out: messages of that call may still be in
+    flight, so every later call and every plan on it refuses to run. ``stale`` keeps the
+    requests abandoned then (MPI cannot cancel a collective one).
+    """
+
+    private: MPI.Intracomm
+    checker: MPI.Intracomm
+    calls: CallCache = field(default_factory=CallCache)
+    scratch: dict = field(default_factory=dict)
+    topology: Topology | None = None
+    broken: str | None = None
+    stale: list = field(default_factory=list)
+    slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
+    next_slot: int = 1
+
+    def __post_init__(self):
+        # TAG_UB is an attribute of COMM_WORLD (MPI-4.1 §7.1.1); MPI guarantees at least 32767
+        tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+        self.slots = max(2, (tag_ub + 1) // STEP_TAGS)
+
+    def mark_broken(self, reason: str, pending=()) -> None:
+        self.broken = reason
+        self.stale.extend(pending)
+        self.calls.clear()
+
+    def refuse_if_broken(self, what: str) -> None:
+        if self.broken:
+            raise ValueError(f"{what}: an earlier collective on this communicator timed out "
+                             f"({self.broken}); its messages may still be in flight, so this "
+                             f"communicator cannot carry more mpiallreduce calls (free it, or "
+                             f"Abort)")
+
+    def take_slot(self) -> int:
+        """Return the tag base of the next plan (the same on every rank: creation is ordered).
+
+        Slots wrap after ``slots - 1`` plans (524287 under Open MPI, whose TAG_UB is 2**31-1);
+        only two live plans that many creations apart share tags.
+        """
+        slot = self.next_slot
+        self.next_slot = slot + 1 if slot + 1 < self.slots else 1
+        return slot * STEP_TAGS
+
+    def scratch_for(self, dtype: np.dtype, size: int) -> np.ndarray:
+        """Shared scratch of at least ``size`` elements; kept only up to :data:`SCRATCH_BYTES`."""
+        buf = self.scratch.get(dtype)
+        if buf is not None and buf.size >= size:
+            return buf
+        buf = np.empty(max(size, 1), dtype=dtype)
+        if buf.nbytes <= SCRATCH_BYTES:
+            self.scratch[dtype] = buf
+        else:
+            self.scratch.pop(dtype, None)  # an outsized call releases what it had, keeps nothing
+        return buf
+
+    def duplicate(self, deadline: float | None, what: str) -> MPI.Intracomm:
+        """Another duplicate of ``private`` (collective), within the deadline if one is set."""
+        return _idup(self.private, deadline, what, self)
+
+    def default_topology(self, deadline: float | None = None, what: str = "allreduce"
+                         ) -> Topology:
+        """``Topology.from_comm`` of the communicator, computed once (collective the first time).
+
+        ``Split_type`` has no non-blocking form, so with a deadline every rank first meets in a
+        polled ``Ibarrier``: once all have arrived, the blocking discovery cannot wait on a
+        missing rank.
+        """
+        if self.topology is None:
+            if deadline is not None:
+                request = self.private.Ibarrier()
+                if not poll([request], deadline):
+                    reason = (f"{what} on rank {self.private.Get_rank()}: topology discovery did "
+                              f"not complete in time; some rank has not made this call")
+                    self.mark_broken(reason, [request])
+                    raise CollectiveTimeout(reason)
+            self.topology = Topology.from_comm(self.private)
+        return self.topology
+
+
+def _idup(comm: MPI.Intracomm, deadline: float | None, what: str, state=None) -> MPI.Intracomm:
+    if deadline is None:
+        return comm.Dup()
+    dup, request = comm.Idup()
+    if not poll([request], deadline):
+        reason = (f"{what} on rank {comm.Get_rank()}: setting up the communicator (MPI_Comm_idup) "
+                  f"did not complete in time; some rank has not made this call")
+        if state is not None:
+            state.mark_broken(reason, [request])
+        error = CollectiveTimeout(reason)
+        error.pending = [request]
+        raise error
+    return dup
+
+
+def _delete_state(comm, keyval, state) -> None:
+    if MPI.Is_finalized():
+        return
+    state.calls.clear()
+    for private in (state.private, state.checker):
+        if private != MPI.COMM_NULL:
+            private.Free()
+
+
+KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_state)
+_creating = threading.Lock()
+
+
+def existing(comm: MPI.Intracomm) -> CommState | None:
+    """Return comm's state if mpiallreduce has used comm before."""
+    return comm.Get_attr(KEYVAL)
+
+
+def state(comm: MPI.Intracomm, timeout: float | None = None, what: str = "allreduce") -> CommState:
+    """Return comm's state, duplicating comm on first use (collective, like MPI_Comm_dup).
+
+    With a ``timeout`` the duplicates are made with ``Idup`` polled against it; if some rank does
+    not arrive, CollectiveTimeout is raised and the communicator is refused from then on.
+    """
+    found = comm.Get_attr(KEYVAL)
+    if found is not None:
+        return found
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _creating:  # two threads may use two communicators; each state is made once
+        found = comm.Get_attr(KEYVAL)
+        if found is not None:
+            return found
+        try:
+            private = _idup(comm, deadline, what)
+            checker = _idup(comm, deadline, what)
+        except CollectiveTimeout as exc:
+            # remember on the user's communicator that it is unusable, with the reason
+            dead = CommState(MPI.COMM_NULL, MPI.COMM_NULL, broken=str(exc))
+            dead.stale.extend(exc.pending)
+            comm.Set_attr(KEYVAL, dead)
+            raise
+        found = CommState(private, checker)
+        comm.Set_attr(KEYVAL, found)
+    return found
