@@ -134,39 +134,39 @@ class CallEntry:
 
     Holds the objects of the call (so their ``id`` and memory stay theirs), the shape and dtype
     they had, the plan, and the call's signature packed for the agreement check (with and
-    without a timeout).
+    without a timeout). ``direct(*args)`` is the native call itself, with the MPI datatype
+    given so that mpi4py need not infer it, when nothing else is needed (no AVG division, one
+    piece); else None and the plan runs.
     """
 
-    __slots__ = ("plan", "objects", "shape", "dtype", "send_shape", "signatures", "nbytes", "run")
+    __slots__ = ("plan", "state", "handle", "objects", "shape", "dtype", "send_shape",
+                 "signatures", "nbytes", "direct", "args")
 
-    def __init__(self, call: Call, plan, objects: tuple):
+    def __init__(self, call: Call, plan, state: CommState, objects: tuple):
         self.plan = plan
-        self.run = plan.run
-        self.objects = objects  # sendbuf, recvbuf, op, topology as passed
+        self.state = state
+        self.handle = call.comm.handle
+        self.objects = objects  # comm, sendbuf, recvbuf, op, topology as passed
         self.shape, self.dtype = call.recv.shape, call.recv.dtype
         self.send_shape = None if call.send is None else call.send.shape
         self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
+        self.direct = self.args = None
+        if isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average:
+            datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
+            send, recv = plan.pieces[0]
+            self.direct = plan.comm.Allreduce
+            self.args = (send if send is MPI.IN_PLACE else [send, datatype], [recv, datatype],
+                         call.reducer.mpi_op)
 
-    def matches(self, sendbuf, recvbuf) -> bool:
-        """Do the same objects still have the shape and dtype the plan was bound to?"""
-        return (recvbuf.shape == self.shape and recvbuf.dtype == self.dtype
-                and (self.send_shape is None
-                     or (sendbuf.shape == self.send_shape and sendbuf.dtype == self.dtype)))
-
-    def agree(self, state: CommState, timeout) -> None:
+    def agree(self, timeout) -> None:
+        state = self.state
         agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
               timeout, state.mark_broken)
 
     def free(self) -> None:
         self.plan.free()
-
-
-def call_key(sendbuf, recvbuf, op, algorithm, topology, params: dict) -> tuple:
-    """The cache key of a call: identities of its objects, algorithm and parameters."""
-    return (id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
-            tuple(params.items()) if params else ())
 
 
 def cacheable(sendbuf, recvbuf, call: Call) -> bool:
@@ -183,7 +183,7 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
     deadline = None if timeout is None else time.monotonic() + timeout
     if cache:
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
-        if state.calls.put(key, CallEntry(call, plan, objects)):
+        if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()
     plan = build(call, state, explicit=False, persistent=False, timeout=None, deadline=deadline)

@@ -18,7 +18,6 @@ every rank (creation is collective), so slot numbers agree without a message.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -54,15 +53,21 @@ CACHE_BYTES = _env_int("MPIALLREDUCE_CACHE_BYTES", 64 << 20)
 SCRATCH_BYTES = _env_int("MPIALLREDUCE_SCRATCH_BYTES", 64 << 20)
 
 
-class CallCache:
-    """Bound one-shot plans of one communicator, least recently used first out.
+#: every cached one-shot plan of every communicator, by call key (see :class:`CallCache`): one
+#: dictionary lookup finds a repeated call's plan, its communicator state included.
+CALLS: dict = {}
 
-    Entries are found by the identity of the objects passed (``id`` of sendbuf, recvbuf, op and
-    topology, with algorithm and parameters): the entry keeps those objects alive, so an ``id``
-    cannot be reused by another object while the entry exists, and a hit also checks that the
-    arrays still have the shape and dtype the plan was bound to. Because the buffers are kept
-    alive, their memory cannot be freed and handed to another array while a plan points at it.
-    The cache is bounded by :data:`CACHE_ENTRIES` and :data:`CACHE_BYTES`.
+
+class CallCache:
+    """Bound one-shot plans of one communicator, least recently bound first out.
+
+    Entries are found by the identity of the objects passed (``id`` of comm, sendbuf, recvbuf,
+    op and topology, with algorithm and parameters) in :data:`CALLS`: the entry keeps those
+    objects alive, so an ``id`` cannot be reused by another object while the entry exists, and
+    a hit also checks that the communicator handle, the arrays' shape and their dtype are still
+    those the plan was bound to. Because the buffers are kept alive, their memory cannot be
+    freed and handed to another array while a plan points at it. Each communicator's share is
+    bounded by :data:`CACHE_ENTRIES` and :data:`CACHE_BYTES`.
     """
 
     def __init__(self, entries: int = CACHE_ENTRIES, nbytes: int = CACHE_BYTES):
@@ -70,26 +75,30 @@ class CallCache:
         self.entries: OrderedDict = OrderedDict()
         self.nbytes = 0
 
-    def get(self, key):
-        return self.entries.get(key)
-
     def put(self, key, entry) -> bool:
         """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""
         if entry.nbytes > self.max_bytes or self.max_entries == 0:
             return False
-        self.entries[key] = entry
-        self.nbytes += entry.nbytes
-        while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
+        old = self.entries.pop(key, None)
+        if old is not None:
             self.nbytes -= old.nbytes
             old.free()
+        self.entries[key] = entry
+        CALLS[key] = entry
+        self.nbytes += entry.nbytes
+        while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self._drop(*self.entries.popitem(last=False))
         return True
+
+    def _drop(self, key, entry) -> None:
+        self.nbytes -= entry.nbytes
+        if CALLS.get(key) is entry:
+            del CALLS[key]
+        entry.free()
 
     def clear(self) -> None:
         while self.entries:
-            _, old = self.entries.popitem()
-            old.free()
-        self.nbytes = 0
+            self._drop(*self.entries.popitem())
 
 
 @dataclass
@@ -199,7 +208,6 @@ def _delete_state(comm, keyval, state) -> None:
 
 
 KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_state)
-_creating = threading.Lock()
 
 
 def existing(comm: MPI.Intracomm) -> CommState | None:
@@ -216,20 +224,19 @@ def state(comm: MPI.Intracomm, timeout: float | None = None, what: str = "allred
     found = comm.Get_attr(KEYVAL)
     if found is not None:
         return found
+    # No lock here: the duplication is collective, and a process-wide lock held across it
+    # would deadlock two threads that set up two communicators in different orders on
+    # different ranks. One communicator is used by one thread at a time (README, "Threads").
     deadline = None if timeout is None else time.monotonic() + timeout
-    with _creating:  # two threads may use two communicators; each state is made once
-        found = comm.Get_attr(KEYVAL)
-        if found is not None:
-            return found
-        try:
-            private = _idup(comm, deadline, what)
-            checker = _idup(comm, deadline, what)
-        except CollectiveTimeout as exc:
-            # remember on the user's communicator that it is unusable, with the reason
-            dead = CommState(MPI.COMM_NULL, MPI.COMM_NULL, broken=str(exc))
-            dead.stale.extend(exc.pending)
-            comm.Set_attr(KEYVAL, dead)
-            raise
-        found = CommState(private, checker)
-        comm.Set_attr(KEYVAL, found)
+    try:
+        private = _idup(comm, deadline, what)
+        checker = _idup(comm, deadline, what)
+    except CollectiveTimeout as exc:
+        # remember on the user's communicator that it is unusable, with the reason
+        dead = CommState(MPI.COMM_NULL, MPI.COMM_NULL, broken=str(exc))
+        dead.stale.extend(exc.pending)
+        comm.Set_attr(KEYVAL, dead)
+        raise
+    found = CommState(private, checker)
+    comm.Set_attr(KEYVAL, found)
     return found

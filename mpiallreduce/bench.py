@@ -117,6 +117,21 @@ def default_iterations(size: int) -> tuple[int, int]:
     return iterations, max(1, iterations // 10)
 
 
+#: how an algorithm is called: a plan's run(), or the one-shot function with or without the check.
+APIS = ("plan", "call", "call-nocheck")
+#: the label of mpi4py's own ``comm.Allreduce``, timed beside the one-shot calls.
+MPI_CALL = "comm.Allreduce"
+
+
+def parse_apis(text: str) -> list[str]:
+    """Parse ``--api``: a comma list of :data:`APIS`."""
+    apis = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in apis if a not in APIS]
+    if unknown or not apis:
+        raise UsageError(f"--api {text!r}: choose a comma list of {', '.join(APIS)}")
+    return list(dict.fromkeys(apis))
+
+
 def parse_algorithms(text: str) -> list[str]:
     """Return the algorithm names of a comma list; ``all`` means every one but ``auto``."""
     names: list[str] = []
@@ -170,6 +185,12 @@ def build_parser(printing: bool = True) -> _Parser:
                         help=f"timed runs per size and algorithm (default: {_ITERATION_RULE})")
     parser.add_argument("--warmup", type=int, default=None, metavar="N",
                         help="untimed runs before timing (default: iterations/10, at least 1)")
+    parser.add_argument("--api", default="plan", metavar="LIST",
+                        help="comma list of how each algorithm is called: plan (mar.plan(...).run()),"
+                             " call (mar.allreduce(...), one-shot, check=True), call-nocheck "
+                             "(mar.allreduce(..., check=False)); with a call mode, comm.Allreduce "
+                             "itself is timed too, and rows of a call mode are named "
+                             "ALGORITHM/MODE (default: plan)")
     parser.add_argument("--in-place", action="store_true",
                         help="reduce in place (sendbuf = MPI.IN_PLACE) (default: off)")
     parser.add_argument("--no-validate", dest="validate", action="store_false",
@@ -196,6 +217,7 @@ class Options:
     """A checked command line."""
 
     algorithms: list[str]
+    apis: list[str]
     sizes: list[int]
     dtype: np.dtype
     op: str
@@ -213,7 +235,18 @@ class Options:
     @property
     def width(self) -> int:
         """Width of the algorithm column."""
-        return max(9, *(len(name) for name in self.algorithms))
+        return max(9, *(len(label) for _, _, label in self.cases))
+
+    @property
+    def cases(self) -> list[tuple[str, str, str]]:
+        """(algorithm, api, row label) in the order measured: the native plan, comm.Allreduce if
+        a call mode is timed, then every algorithm in every mode."""
+        cases = [("native", "plan", "native")]  # the reference of vs_native, always first
+        if any(api != "plan" for api in self.apis):
+            cases.append((MPI_CALL, MPI_CALL, MPI_CALL))
+        return cases + [(name, api, name if api == "plan" else f"{name}/{api}")
+                        for name in self.algorithms for api in self.apis
+                        if (name, api) != ("native", "plan")]
 
 
 def check_outputs(opts: Options) -> None:
@@ -260,8 +293,8 @@ def parse_args(argv=None, printing: bool = True) -> Options:
         raise UsageError(f"--ranks-per-node {ranks_per_node}: must be at least 1")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'mpiallreduce[plot]'")
-    return Options(parse_algorithms(args.algorithms), sizes, dtype, args.op, args.iterations,
-                   args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
+    return Options(parse_algorithms(args.algorithms), parse_apis(args.api), sizes, dtype, args.op,
+                   args.iterations, args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
                    ranks_per_node, args.quiet, notes)
 
 
@@ -353,28 +386,46 @@ class _Case:
         if opts.warmup is not None:
             self.warmup = opts.warmup
 
-    def measure(self, algorithm: str, topology) -> tuple[float, bool] | str:
+    def measure(self, algorithm: str, topology, api: str = "plan") -> tuple[float, bool] | str:
         """Return (this rank's mean seconds, validation ok on every rank), or the reason the
-        algorithm refused this case (the same on every rank: ``plan`` checks collectively)."""
+        algorithm refused this case (the same on every rank: ``plan`` checks collectively).
+
+        ``api`` is how it is called (:data:`APIS`), or :data:`MPI_CALL` for ``comm.Allreduce``.
+        """
         opts, comm = self.opts, self.comm
         if opts.in_place:
             self.recv[...] = self.x
         sendbuf = MPI.IN_PLACE if opts.in_place else self.x
+        op = _op(opts.op)
+        kwargs = dict(op=op, comm=comm, algorithm=algorithm, topology=topology)
         try:
-            plan = mar.plan(sendbuf, self.recv, op=_op(opts.op), comm=comm, algorithm=algorithm,
-                            topology=topology, check=True)
+            plan = mar.plan(sendbuf, self.recv, check=True, **kwargs) if api == "plan" else None
         except ValueError as exc:
             return str(exc)
-        with plan:
-            seconds = _mean_time(plan.run, self.iterations, self.warmup, comm)
+        if api == MPI_CALL:
+            red = reducer(op, self.x.dtype)
+            run = lambda: comm.Allreduce(sendbuf, self.recv, red.mpi_op)
+        elif api == "call":
+            run = lambda: mar.allreduce(sendbuf, self.recv, **kwargs)
+        elif api == "call-nocheck":
+            run = lambda: mar.allreduce(sendbuf, self.recv, check=False, **kwargs)
+        else:
+            run = plan.run
+        try:
+            seconds = _mean_time(run, self.iterations, self.warmup, comm)
             ok = True
             if opts.validate:
                 if opts.in_place:
                     self.recv[...] = self.x
                 else:
                     self.recv.fill(99)  # so a run that writes nothing cannot pass
-                plan.run()
+                run()
+                if api == MPI_CALL and reducer(op, self.x.dtype).average:
+                    np.divide(self.recv, comm.size, out=self.recv)
                 ok = bool(np.array_equal(self.recv, self.ref))
+        finally:
+            if plan is not None:
+                plan.free()
         ok = comm.allreduce(ok, op=MPI.LAND)
         return seconds, ok
 
@@ -472,7 +523,13 @@ def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
             continue
         mean = sum(r.busbw_gbs for r in mine) / len(mine)
         line = f"# {name}: mean busbw {mean:.4f} GB/s over {len(mine)} size(s)"
-        if name != "native":
+        if MPI_CALL in name or "/call" in name:
+            base = {r.size: r.avg_us for r in rows if r.algorithm == MPI_CALL}
+            ratios = [f"{human(r.size)} {r.avg_us / base[r.size]:.2f}x" for r in mine
+                      if r.size in base and name != MPI_CALL]
+            if ratios:
+                line += f"; time / comm.Allreduce: {', '.join(ratios)}"
+        elif name != "native":
             wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if r.vs_native > 1]
             line += (f"; faster than native at {len(wins)} size(s): {', '.join(wins)}" if wins
                      else "; never faster than native")
@@ -553,14 +610,14 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
         case = _Case(comm, opts, size)
         native_us = None
         lines = []
-        for algorithm in opts.algorithms:
-            result = case.measure(algorithm, topology)
+        for algorithm, api, label in opts.cases:
+            result = case.measure(algorithm, topology, api)
             if isinstance(result, str):
-                if (algorithm, result) not in refused:
-                    refused.add((algorithm, result))
-                    notes.append(f"{algorithm} skipped: {result}")
+                if (label, result) not in refused:
+                    refused.add((label, result))
+                    notes.append(f"{label} skipped: {result}")
                     if show:
-                        lines.append(f"# {algorithm} skipped: {result}")
+                        lines.append(f"# {label} skipped: {result}")
                 continue
             seconds, ok = result
             all_ok &= ok
@@ -568,10 +625,10 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
             if stats is None:
                 continue
             avg, low, high = stats
-            native_us = avg if algorithm == "native" else native_us
+            native_us = avg if label == "native" else native_us
             algbw = size / avg / 1e3  # B/µs -> GB/s
-            row = Row(size, case.count, algorithm, case.iterations, case.warmup, avg, low, high,
-                      algbw, algbw * busfactor, native_us / avg,
+            row = Row(size, case.count, label, case.iterations, case.warmup, avg, low, high,
+                      algbw, algbw * busfactor, native_us / avg if native_us else float("nan"),
                       ("ok" if ok else "FAIL") if opts.validate else "-")
             rows.append(row)
             if show or (root and not ok):
@@ -614,7 +671,8 @@ def main(argv=None, comm=None, out=None) -> int:
     rows, notes, all_ok = run(comm, opts, out)
     if root:
         if not opts.quiet:
-            print("\n".join(summary_lines(rows, opts.algorithms)), file=out, flush=True)
+            print("\n".join(summary_lines(rows, [label for _, _, label in opts.cases])),
+                  file=out, flush=True)
         failed = [r for r in rows if r.check == "FAIL"]
         if failed:
             print(f"# validation FAILED: {', '.join(f'{r.algorithm} at {human(r.size)}' for r in failed)}",

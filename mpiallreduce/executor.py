@@ -433,7 +433,7 @@ class NativePlan(_PlanBase):
         super().__init__(comm, sendbuf, recvbuf, reducer, timeout=timeout, state=state,
                          owned_comm=comm if owned else None)
         send = None if sendbuf is None else flat(sendbuf)
-        self._pieces = [(MPI.IN_PLACE if send is None else send[start:stop], self._result[start:stop])
+        self.pieces = [(MPI.IN_PLACE if send is None else send[start:stop], self._result[start:stop])
                         for start, stop in segments(0, self._result.size, MAX_MESSAGE)
                         if stop > start]
         self._op = reducer.mpi_op
@@ -446,7 +446,7 @@ class NativePlan(_PlanBase):
         """Call MPI's ``Allreduce`` (``Iallreduce`` polled up to ``timeout`` when one is set)."""
         timeout, deadline = self._start(timeout)
         op, comm = self._op, self.comm
-        for send, recv in self._pieces:
+        for send, recv in self.pieces:
             if deadline is None:
                 comm.Allreduce(send, recv, op)
                 continue

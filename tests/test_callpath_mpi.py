@@ -1,0 +1,419 @@
+"""The one-shot call path: plan cache, order safety, timeouts everywhere, layouts, 8/16-bit sums.
+
+Every test runs at every rank count; results are compared with comm.Allreduce or with a NumPy
+reduction of every rank's input, on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+from conftest import assert_identical_across_ranks, assert_matches_native, contribution
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import _checks, _plans, _state, ops
+
+pytestmark = pytest.mark.mpi
+
+SCHEDULES = [name for name in mar.ALGORITHMS if name not in ("native", "auto")]
+TIMEOUT = 0.5
+
+
+def _entries(comm) -> int:
+    state = _state.existing(comm)
+    return 0 if state is None else len(state.calls.entries)
+
+
+@pytest.fixture
+def comm():
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", mar.ALGORITHMS)
+def test_a_repeated_call_reuses_its_plan_and_reads_fresh_contents(comm, algorithm):
+    x = contribution(comm, 37, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+    assert _entries(comm) == 1
+    (entry,) = _state.existing(comm).calls.entries.values()
+    for round_ in range(3):
+        x[:] = contribution(comm, 37, "float64", seed=round_ + 1)  # new contents, same array
+        mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    assert _entries(comm) == 1
+    assert next(iter(_state.existing(comm).calls.entries.values())) is entry
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "recursive_doubling"])
+def test_in_place_calls_are_cached_and_correct(comm, algorithm):
+    x = contribution(comm, 11, "int64")
+    buf = np.empty_like(x)
+    for _ in range(3):
+        buf[:] = x
+        mar.allreduce(MPI.IN_PLACE, buf, comm=comm, algorithm=algorithm)
+        assert_matches_native(comm, x, buf, MPI.SUM)
+    assert _entries(comm) == 1
+
+
+def test_a_freed_buffer_cannot_be_confused_with_a_new_one(comm):
+    """The cache keeps the arrays of its plans alive: a new array never gets their memory."""
+    x = contribution(comm, 64, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="ring")
+    kept = weakref.ref(out)
+    del out
+    gc.collect()
+    assert kept() is not None  # still held by the cached plan, so its address is still its own
+    for seed in range(4):
+        y = contribution(comm, 64, "float64", seed=seed)
+        fresh = np.empty_like(y)
+        assert_matches_native(comm, y, mar.allreduce(y, fresh, comm=comm, algorithm="ring"),
+                              MPI.SUM)
+        del fresh, y
+
+
+def test_a_changed_shape_or_dtype_rebinds(comm):
+    x = contribution(comm, 24, "int32")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="ring")
+    x.shape = out.shape = (4, 6)
+    assert_matches_native(comm, x, mar.allreduce(x, out, comm=comm, algorithm="ring"), MPI.SUM)
+    x.dtype = out.dtype = np.int16  # 48 elements of another type, same memory
+    assert_matches_native(comm, x, mar.allreduce(x, out, comm=comm, algorithm="ring"), MPI.SUM)
+
+
+def test_new_views_of_the_same_memory_are_correct(comm):
+    x = contribution(comm, 30, "float32")
+    out = np.zeros_like(x)
+    for stop in (30, 20, 30):
+        mar.allreduce(x[:stop], out[:stop], comm=comm, algorithm="tree")
+        assert_matches_native(comm, x[:stop], out[:stop], MPI.SUM)
+
+
+def test_the_cache_is_bounded_by_entries_and_bytes(comm, monkeypatch):
+    state = _state.state(comm)
+    monkeypatch.setattr(state.calls, "max_entries", 3)
+    monkeypatch.setattr(state.calls, "max_bytes", 10_000)
+    arrays = [contribution(comm, 50, "float64", seed=s) for s in range(6)]
+    for x in arrays:
+        assert_matches_native(comm, x, mar.allreduce(x, np.empty_like(x), comm=comm), MPI.SUM)
+        assert len(state.calls.entries) <= 3
+        assert state.calls.nbytes <= 10_000
+    big = contribution(comm, 2000, "float64")  # 32 kB of buffers alone: never cached
+    assert_matches_native(comm, big, mar.allreduce(big, np.empty_like(big), comm=comm), MPI.SUM)
+    assert all(entry.objects[2].size == 50
+               for entry in state.calls.entries.values())
+
+
+def test_a_result_allocated_per_call_is_not_cached(comm):
+    x = contribution(comm, 9, "float64")
+    for _ in range(3):
+        assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="ring"), MPI.SUM)
+    assert _entries(comm) == 0
+
+
+def test_freeing_the_communicator_releases_its_plans():
+    comm = MPI.COMM_WORLD.Dup()
+    x = contribution(comm, 9, "float64")
+    out = np.empty_like(x)
+    for algorithm in ("native", "ring"):
+        mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+    keys = list(_state.existing(comm).calls.entries)
+    assert all(key in _state.CALLS for key in keys)
+    comm.Free()
+    assert not any(key in _state.CALLS for key in keys)
+
+
+def test_the_agreement_check_still_runs_on_a_cached_call(comm):
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm)
+    y = np.zeros(11) if comm.rank == 1 else x
+    with pytest.raises(ValueError, match="count differs") if comm.size > 1 else _nothing():
+        mar.allreduce(y, np.empty_like(y) if comm.rank == 1 else out, comm=comm)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- order safety ---------------------------------------------------------------------------------------
+
+def _out_of_order(comm, algorithm, first_is_call=False):
+    """Rank 0 runs B then A, the others A then B, each with a timeout: every rank must raise
+    CollectiveTimeout in its first collective, none may return a result."""
+    a = np.full(4, 1.0 + comm.rank)
+    b = np.full(4, 100.0 + 10 * comm.rank)
+    out_a, out_b = np.empty(4), np.empty(4)
+    plan_a = mar.plan(a, out_a, comm=comm, algorithm=algorithm)
+    plan_b = mar.plan(b, out_b, comm=comm, algorithm=algorithm)
+    runs = [lambda: plan_a.run(timeout=TIMEOUT), lambda: plan_b.run(timeout=TIMEOUT)]
+    if first_is_call:
+        runs[0] = lambda: mar.allreduce(a, out_a, comm=comm, algorithm=algorithm, check=False,
+                                        timeout=TIMEOUT)
+    if comm.rank == 0:
+        runs.reverse()
+    with pytest.raises(mar.CollectiveTimeout) as info:
+        runs[0]()
+    message = str(info.value)
+    assert "in different orders" in message, message
+    # the communicator is unusable now: every plan and call on it refuses, with the reason
+    with pytest.raises(ValueError, match="an earlier collective on this communicator timed out"):
+        runs[1]()
+    plan_a.free()
+    plan_b.free()
+    MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "tree", "native"])
+def test_plans_run_in_different_orders_time_out_instead_of_mixing(algorithm):
+    comm = MPI.COMM_WORLD.Dup()
+    _out_of_order(comm, algorithm)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_a_call_and_a_plan_in_different_orders_time_out(algorithm):
+    comm = MPI.COMM_WORLD.Dup()
+    _out_of_order(comm, algorithm, first_is_call=True)
+    comm.Free()
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native", "rabenseifner"])
+def test_many_plans_in_the_same_order_stay_apart(comm, algorithm):
+    """Interleaved runs of several live plans, the same order everywhere: each its own sum."""
+    inputs = [np.full(5, float(k * 100 + comm.rank)) for k in range(4)]
+    outs = [np.empty(5) for _ in inputs]
+    plans = [mar.plan(x, out, comm=comm, algorithm=algorithm) for x, out in zip(inputs, outs)]
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
+        for k in order:
+            plans[k].run()
+        mar.allreduce(inputs[0], outs[0], comm=comm, algorithm=algorithm)
+        for x, out in zip(inputs, outs):
+            assert_matches_native(comm, x, out, MPI.SUM)
+    for p in plans:
+        p.free()
+
+
+def test_explicit_plans_take_distinct_slots(comm):
+    x = np.ones(3)
+    plans = [mar.plan(x, np.empty(3), comm=comm, algorithm="ring") for _ in range(3)]
+    bases = [p._tag_base for p in plans]
+    assert len(set(bases)) == 3 and 0 not in bases  # slot 0 belongs to one-shot calls
+    assert_identical_across_ranks(comm, np.array(bases))
+    for p in plans:
+        p.free()
+
+
+# -- timeouts cover the set-up ---------------------------------------------------------------------------
+
+@pytest.mark.mpi(min_size=2)
+def test_the_first_call_on_a_communicator_times_out_when_a_rank_is_missing():
+    """Rank 0 never calls: the others time out while duplicating the communicator (Idup)."""
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    x = np.ones(3)
+    if comm.rank != 0:
+        with pytest.raises(mar.CollectiveTimeout, match="setting up the communicator "
+                                                        r"\(MPI_Comm_idup\) did not complete"):
+            mar.allreduce(x, comm=comm, timeout=TIMEOUT)
+        with pytest.raises(ValueError, match="an earlier collective on this communicator"):
+            mar.allreduce(x, comm=comm, timeout=TIMEOUT)
+    world.Barrier()
+    if comm.rank == 0:
+        # join the duplicate the others abandoned, so that their request completes
+        dup, request = comm.Idup()
+        request.Wait()
+        dup.Free()
+    else:
+        MPI.Request.Waitall(_state.existing(comm).stale)
+    world.Barrier()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topology_discovery_times_out_when_a_rank_is_missing():
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    x = np.ones(3)
+    mar.allreduce(x, np.empty(3), comm=comm, algorithm="ring")  # the state exists, no topology
+    if comm.rank != 0:
+        with pytest.raises(mar.CollectiveTimeout, match="topology discovery did not complete"):
+            mar.allreduce(x, comm=comm, algorithm="hierarchical", check=False, timeout=TIMEOUT)
+    world.Barrier()
+    state = _state.existing(comm)
+    if comm.rank == 0:
+        state.private.Ibarrier().Wait()
+    else:
+        MPI.Request.Waitall(state.stale)
+    world.Barrier()
+    comm.Free()
+
+
+def test_a_timeout_that_is_not_reached_changes_nothing_on_a_fresh_communicator():
+    for algorithm in ("native", "hierarchical", "cascade", "ring"):
+        comm = MPI.COMM_WORLD.Dup()
+        x = contribution(comm, 20, "float64")
+        assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm=algorithm,
+                                                     timeout=30), MPI.SUM)
+        with mar.plan(x, comm=comm, algorithm=algorithm, timeout=30) as p:
+            assert_matches_native(comm, x, p.run(), MPI.SUM)
+        comm.Free()
+
+
+# -- the agreement --------------------------------------------------------------------------------------
+
+@pytest.mark.mpi(min_size=2)
+def test_any_exception_of_a_local_check_reaches_every_rank(comm, monkeypatch):
+    real = _checks.allreduce_call
+
+    def failing(*args, **kwargs):
+        if comm.rank == 1:
+            raise KeyError("something only rank 1 saw")
+        return real(*args, **kwargs)
+
+    import mpiallreduce.api as api
+    monkeypatch.setattr(api, "allreduce_call", failing)
+    with pytest.raises(KeyError, match="bad input on rank 1: 'something only rank 1 saw'"):
+        mar.allreduce(np.ones(3), comm=comm)
+    # the next call is fine everywhere
+    monkeypatch.setattr(api, "allreduce_call", real)
+    x = contribution(comm, 5, "float64")
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm), MPI.SUM)
+
+
+def test_the_check_is_a_constant_size_collective(comm, monkeypatch):
+    sizes = []
+    real = _plans.agree
+
+    def recording(checker, what, signature, *args, **kwargs):
+        sizes.append(len(signature.packed))
+        return real(checker, what, signature, *args, **kwargs)
+
+    monkeypatch.setattr(_plans, "agree", recording)
+    x = np.ones(1000)
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm)
+    mar.allreduce(x, out, comm=comm)
+    assert sizes == [18]  # 2 x 9 int64 whatever the rank count
+
+
+# -- layouts ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", mar.ALGORITHMS)
+def test_fortran_ordered_arrays_in_and_out_of_place(comm, algorithm):
+    x = np.asfortranarray(contribution(comm, 35, "float64").reshape(5, 7))
+    out = np.empty_like(x)  # Fortran order too
+    assert out.flags.f_contiguous and not out.flags.c_contiguous
+    mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+    assert out.flags.f_contiguous
+    assert_matches_native(comm, x, out, MPI.SUM)
+    buf = x.copy(order="F")
+    mar.allreduce(MPI.IN_PLACE, buf, comm=comm, algorithm=algorithm)
+    assert_matches_native(comm, x, buf, MPI.SUM)
+    fresh = mar.allreduce(x, comm=comm, algorithm=algorithm)
+    assert fresh.flags.f_contiguous
+    assert_matches_native(comm, x, fresh, MPI.SUM)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_layout_errors_name_the_fix(comm, check):
+    x = np.ones((4, 6))
+    with pytest.raises(ValueError, match=r"sendbuf is C-ordered but recvbuf is F-ordered; .*"
+                                         r"np\.ascontiguousarray or np\.asfortranarray"):
+        mar.allreduce(x, np.asfortranarray(np.empty((4, 6))), comm=comm, check=check)
+    swapped = np.ones(6, dtype=">f8" if np.little_endian else "<f8")
+    with pytest.raises(TypeError, match=r"not in this machine's byte order.*"
+                                        r"newbyteorder\('='\)"):
+        mar.allreduce(swapped, comm=comm, check=check)
+    with pytest.raises(ValueError, match=r"must be contiguous \(C or Fortran order"):
+        mar.allreduce(x[:, ::2], comm=comm, check=check)
+
+
+# -- 8/16-bit overflow --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16"])
+@pytest.mark.parametrize("count", [1, 7, 64, 257])
+@pytest.mark.parametrize("algorithm", ["auto"] + SCHEDULES)
+def test_overflowing_narrow_sums_are_modular(comm, dtype, count, algorithm):
+    info = np.iinfo(dtype)
+    x = np.full(count, info.max - 1 - comm.rank % 3, dtype=dtype)
+    everything = np.array(comm.allgather(x))
+    with np.errstate(over="ignore"):
+        expected = np.add.reduce(everything, axis=0, dtype=dtype)  # NumPy wraps as C does
+    out = mar.allreduce(x, comm=comm, algorithm=algorithm)
+    assert np.array_equal(out, expected), (out[:4], expected[:4])
+    assert_identical_across_ranks(comm, out)
+
+
+def test_auto_avoids_a_saturating_native_sum(comm):
+    call = _checks.allreduce_call(np.ones(300, dtype=np.uint8), None, MPI.SUM, comm, "auto", None)
+    chosen = _plans.resolve(call, comm.size)
+    if comm.size > 1 and ops.native_deviates("SUM", np.dtype(np.uint8)):
+        assert chosen != "native"
+    float_call = _checks.allreduce_call(np.ones(3), None, MPI.SUM, comm, "auto", None)
+    assert _plans.resolve(float_call, comm.size) == "native"
+
+
+# -- threads and memory -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(MPI.Query_thread() < MPI.THREAD_MULTIPLE, reason="needs MPI_THREAD_MULTIPLE")
+def test_two_threads_on_two_communicators():
+    comms = [MPI.COMM_WORLD.Dup() for _ in range(2)]
+    errors = []
+
+    def work(comm, algorithm):
+        try:
+            x = contribution(comm, 33, "float64", seed=7)
+            out = np.empty_like(x)
+            for _ in range(30):
+                mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+            ref = np.empty_like(x)
+            comm.Allreduce(x, ref)
+            np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(c, a)) for c, a in zip(comms, ("ring", "native"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in comms:
+        c.Free()
+    assert not errors, errors
+
+
+def test_a_dropped_plan_releases_its_requests(comm):
+    x = np.ones(10)
+    p = mar.plan(x, np.empty(10), comm=comm, algorithm="ring")
+    p.run()
+    finalizer = p._finalizer
+    requests = p._requests
+    assert finalizer.alive and (comm.size == 1 or requests)
+    del p
+    gc.collect()
+    assert not finalizer.alive and requests == []
+
+
+def test_outsized_scratch_is_not_kept(comm, monkeypatch):
+    monkeypatch.setattr(_state, "SCRATCH_BYTES", 1000)
+    x = contribution(comm, 4000, "float64")
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="ring"), MPI.SUM)
+    state = _state.existing(comm)
+    assert all(buf.nbytes <= 1000 for buf in state.scratch.values())
