@@ -12,6 +12,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -101,25 +102,67 @@ def _release(requests: list, owned_comm) -> None:
 
 
 @dataclass
-class _Combine:
-    """After a step's messages complete: reduce or copy ``scratch`` into ``target``."""
-
-    scratch: np.ndarray
-    target: np.ndarray
-    action: str
-    order: str
-
-
-@dataclass
 class _BoundStep:
-    """One step bound to buffers: what to post, and what to combine once it completes."""
+    """One step bound to buffers: what to post, and what to call once it completes.
+
+    ``before`` are copies made before the step's messages are posted, ``combines`` the
+    argument-free calls made once they complete (copies out of scratch and reductions, bound
+    at plan time), ``requests`` the persistent requests (persistent plans only).
+    """
 
     index: int
     recvs: list  # (peer, view)
     sends: list  # (peer, view)
-    combines: list
-    requests: list  # persistent requests (persistent plans only)
+    before: tuple
+    combines: tuple
+    requests: list
     defer: bool = False  # combine after posting the next step (see _deferrable)
+
+
+class _Written:
+    """Which element ranges of the result buffer hold data written by the plan so far.
+
+    Out of place, nothing is copied from sendbuf first: until a range is written (a receive
+    lands in it or a reduction stores into it), the plan reads this rank's contribution from
+    sendbuf, so sends go out of sendbuf and the first reduction of a range reads
+    ``received ∘ sendbuf`` and stores into the result.
+    """
+
+    def __init__(self, written: bool):
+        self.ranges: list[tuple[int, int]] = []
+        self.everything = written  # in place: the result buffer holds the input from the start
+
+    def pieces(self, start: int, stop: int) -> list[tuple[int, int, bool]]:
+        """Split ``[start, stop)`` into ``(lo, hi, written)`` pieces in order."""
+        if self.everything:
+            return [(start, stop, True)]
+        out, position = [], start
+        for lo, hi in self.ranges:
+            if hi <= position or lo >= stop:
+                continue
+            if lo > position:
+                out.append((position, lo, False))
+            out.append((max(lo, position), min(hi, stop), True))
+            position = min(hi, stop)
+        if position < stop:
+            out.append((position, stop, False))
+        return out
+
+    def add(self, start: int, stop: int) -> None:
+        if self.everything or stop <= start:
+            return
+        merged = []
+        for lo, hi in self.ranges:
+            if hi < start or lo > stop:
+                merged.append((lo, hi))
+            else:
+                start, stop = min(lo, start), max(hi, stop)
+        merged.append((start, stop))
+        self.ranges = sorted(merged)
+
+    def missing(self, count: int) -> list[tuple[int, int]]:
+        """Ranges of ``[0, count)`` never written."""
+        return [(lo, hi) for lo, hi, written in self.pieces(0, count) if not written]
 
 
 @dataclass(frozen=True)
@@ -137,11 +180,9 @@ class Layout:
     store: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
     @classmethod
-    def allreduce(cls, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Layout:
-        """Work in ``recvbuf``; copy ``sendbuf`` (unless in place) into it first."""
-        result = flat(recvbuf)
-        load = () if sendbuf is None else ((flat(sendbuf), result),)
-        return cls((result,), load)
+    def allreduce(cls, recvbuf: np.ndarray) -> Layout:
+        """Work in ``recvbuf`` (out of place, the plan reads sendbuf where it has not written)."""
+        return cls((flat(recvbuf),))
 
     def view(self, start: int, stop: int) -> np.ndarray:
         """Return the view of schedule elements ``[start, stop)``, which lie in one region."""
@@ -300,7 +341,7 @@ class Plan(_PlanBase):
         super().__init__(comm, sendbuf, recvbuf, reducer, timeout=timeout, state=state)
         self.algorithm = algorithm
         self._label = label or f"{algorithm} allreduce"
-        self._layout = layout or Layout.allreduce(sendbuf, recvbuf)
+        self._layout = layout or Layout.allreduce(recvbuf)
         self._persistent = persistent
         self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
@@ -310,18 +351,48 @@ class Plan(_PlanBase):
         self._scratch = scratch
         # Consecutive steps receive into alternate halves of the scratch when combines are
         # deferred, so a deferred combine never reads a buffer the next step is filling.
+        # Out of place with no Layout, nothing is loaded first: the plan reads sendbuf until a
+        # range of the result is written (see _Written).
+        self._source = flat(sendbuf) if layout is None and sendbuf is not None else None
+        written = _Written(self._source is None)
         self._steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
-                                  defer[position])
+                                  defer[position], written)
                        for position, (index, step) in enumerate(_nonempty(steps))]
+        count = self._result.size
+        self._first = tuple(partial(np.copyto, destination, source)
+                            for source, destination in self._layout.load)
+        last = [partial(np.copyto, destination, source)
+                for source, destination in self._layout.store]
+        if self._source is not None:  # ranges no step wrote hold this rank's own data
+            last += [partial(np.copyto, self._result[lo:hi], self._source[lo:hi])
+                     for lo, hi in written.missing(count)]
+        if self._average:
+            last.append(partial(np.divide, self._result, self._nranks, out=self._result))
+        self._last = tuple(last)
 
     @property
     def nbytes(self) -> int:
         """Bytes of scratch this plan holds (its buffers are the caller's)."""
         return self._scratch.nbytes
 
-    def _bind(self, index: int, step: Step, offset: int, defer: bool) -> _BoundStep:
-        view_of, scratch = self._layout.view, self._scratch
-        sent = [(s.start, s.stop) for s in step.sends]
+    def _bind(self, index: int, step: Step, offset: int, defer: bool,
+              written: _Written) -> _BoundStep:
+        view_of, scratch, source = self._layout.view, self._scratch, self._source
+        before, sends, sent = [], [], []
+        for send in step.sends:
+            for start, stop in segments(send.start, send.stop, MAX_MESSAGE):
+                if stop == start:
+                    continue
+                pieces = written.pieces(start, stop)
+                if source is not None and not any(w for _, _, w in pieces):
+                    sends.append((send.peer, source[start:stop]))  # not written yet: sendbuf
+                    continue
+                for lo, hi, was in pieces:  # partly written: complete it in the result first
+                    if not was:
+                        before.append(partial(np.copyto, view_of(lo, hi), source[lo:hi]))
+                        written.add(lo, hi)
+                sends.append((send.peer, view_of(start, stop)))
+                sent.append((start, stop))
         recvs, combines = [], []
         for recv in step.recvs:
             in_place = recv.action == COPY and not _overlaps(recv.start, recv.stop, sent)
@@ -331,20 +402,26 @@ class Plan(_PlanBase):
                 target = view_of(start, stop)
                 if in_place:
                     recvs.append((recv.peer, target))  # lands in place: no scratch, no copy
+                    written.add(start, stop)
                     continue
                 view = scratch[offset:offset + stop - start]
                 offset += stop - start
                 recvs.append((recv.peer, view))
-                combines.append(_Combine(view, target, recv.action, recv.order))
-        sends = [(s.peer, view_of(start, stop)) for s in step.sends
-                 for start, stop in segments(s.start, s.stop, MAX_MESSAGE) if stop > start]
+                if recv.action == COPY:
+                    combines.append(partial(np.copyto, target, view))
+                else:
+                    for lo, hi, was in written.pieces(start, stop):
+                        local = view_of(lo, hi) if was else source[lo:hi]
+                        combines.extend(self.reducer.bind(view[lo - start:hi - start], local,
+                                                          view_of(lo, hi), recv.order))
+                written.add(start, stop)
         requests = []
         if self._persistent:
             tag = self._tag_base + index % STEP_TAGS
             requests = ([self.comm.Recv_init(view, peer, tag) for peer, view in recvs]
                         + [self.comm.Send_init(view, peer, tag) for peer, view in sends])
             self._requests.extend(requests)
-        return _BoundStep(index, recvs, sends, combines, requests, defer)
+        return _BoundStep(index, recvs, sends, tuple(before), tuple(combines), requests, defer)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -357,44 +434,42 @@ class Plan(_PlanBase):
                 unusable afterwards.
         """
         timeout, deadline = self._start(timeout)
-        for source, destination in self._layout.load:
-            np.copyto(destination, source)
-        pending = None  # a step whose combines wait until the next step's messages are posted
+        for call in self._first:
+            call()
+        pending = ()  # combines of a step that wait until the next step's messages are posted
+        persistent = self._persistent
         for bound in self._steps:
-            if self._persistent:
+            for call in bound.before:
+                call()
+            if persistent:
                 requests = bound.requests
                 MPI.Prequest.Startall(requests)
             else:
-                tag = self._tag_base + bound.index % STEP_TAGS
-                requests = ([self.comm.Irecv(view, peer, tag) for peer, view in bound.recvs]
-                            + [self.comm.Isend(view, peer, tag) for peer, view in bound.sends])
-            if pending is not None:
-                self._combine(pending)  # overlaps this step's transfers
+                requests = self._post(bound)
+            for call in pending:  # overlaps this step's transfers
+                call()
             if deadline is None:
                 MPI.Request.Waitall(requests)
             elif not poll(requests, deadline):
                 self._expire(requests, bound, timeout)
             if bound.defer:
-                pending = bound
+                pending = bound.combines
             else:
-                self._combine(bound)
-                pending = None
-        if pending is not None:
-            self._combine(pending)
-        for source, destination in self._layout.store:
-            np.copyto(destination, source)
-        if self._average:
-            np.divide(self._result, self._nranks, out=self._result)
+                pending = ()
+                for call in bound.combines:
+                    call()
+        for call in pending:
+            call()
+        for call in self._last:
+            call()
         return self.recvbuf
 
     __call__ = run
 
-    def _combine(self, bound: _BoundStep) -> None:
-        for combine in bound.combines:
-            if combine.action == COPY:
-                np.copyto(combine.target, combine.scratch)
-            else:
-                self.reducer.combine(combine.scratch, combine.target, combine.order)
+    def _post(self, bound: _BoundStep) -> list:
+        tag = self._tag_base + bound.index % STEP_TAGS
+        return ([self.comm.Irecv(view, peer, tag) for peer, view in bound.recvs]
+                + [self.comm.Isend(view, peer, tag) for peer, view in bound.sends])
 
     def _expire(self, requests, bound: _BoundStep, timeout: float) -> None:
         """Give up on a step past its deadline: cancel its receives, mark the plan, raise."""

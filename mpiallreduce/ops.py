@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import numpy as np
 from mpi4py import MPI
@@ -75,6 +75,24 @@ class Reducer:
         else:
             self.mpi_op.Reduce_local(local, received)  # received = local ∘ received
             np.copyto(local, received)
+
+
+    def bind(self, received: np.ndarray, local: np.ndarray, out: np.ndarray, order: str) -> tuple:
+        """Return argument-free calls that set ``out = received ∘ local`` (or ``local ∘
+        received``), bound once so a plan's run only calls them.
+
+        ``local`` is ``out`` itself, or the caller's sendbuf where the result buffer does not
+        hold this rank's contribution yet (then nothing is copied in first). ``received`` is
+        scratch and may be overwritten.
+        """
+        if self.ufunc is not None:
+            first, second = (received, local) if order == RECEIVED_FIRST else (local, received)
+            return (partial(self.ufunc, first, second, out=out),)
+        reduce_local = self.mpi_op.Reduce_local
+        if order == RECEIVED_FIRST:  # Reduce_local(a, b) sets b = a ∘ b
+            load = () if local is out else (partial(np.copyto, out, local),)
+            return load + (partial(reduce_local, received, out),)
+        return (partial(reduce_local, local, received), partial(np.copyto, out, received))
 
 
 def dtype_name(dtype: np.dtype) -> str:
