@@ -16,6 +16,8 @@ from .ops import Reducer
 
 #: bytes per rank from which ``auto`` prefers the pipelined ring to native (measured crossover).
 LARGE_MESSAGE_BYTES = 32 << 20
+#: communicator sizes the crossover above was measured at; larger ones ask the cost model.
+MEASURED_RANKS = 8
 
 
 def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
@@ -23,6 +25,21 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
 
     Never returns an algorithm that refuses the op: non-commutative ops always get ``native``.
     """
+    if nranks > MEASURED_RANKS:
+        return model_choice(nranks, nbytes, reducer, topology)
     if nranks > 1 and nbytes >= LARGE_MESSAGE_BYTES and reducer.commutative:
         return "ring_segmented"
     return "native"
+
+
+def model_choice(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
+    """Fallback where nothing was measured: the cost model's fastest (built-in machine).
+
+    Native (modelled without the interpreter's per-step cost) wins small messages; a schedule
+    only where the model says it is faster. Commutative ops only get commutative-only schedules.
+    """
+    from . import model
+
+    if not reducer.commutative:
+        return "native"  # the model times order-keeping schedules too, but native keeps order
+    return model.choose(nranks, nbytes, True, topology)
