@@ -19,6 +19,8 @@ LARGE_MESSAGE_BYTES = 32 << 20
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
 MODULAR_RING_BYTES = 1 << 16
+#: communicator sizes the crossover above was measured at; larger ones ask the cost model.
+MEASURED_RANKS = 8
 
 
 def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
@@ -26,6 +28,21 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
 
     Never returns an algorithm that refuses the op: non-commutative ops always get ``native``.
     """
+    if nranks > MEASURED_RANKS:
+        return model_choice(nranks, nbytes, reducer, topology)
     if nranks > 1 and nbytes >= LARGE_MESSAGE_BYTES and reducer.commutative:
         return "ring_segmented"
     return "native"
+
+
+def model_choice(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
+    """Fallback where nothing was measured: the cost model's fastest (built-in machine).
+
+    Native (modelled without the interpreter's per-step cost) wins small messages; a schedule
+    only where the model says it is faster. Commutative ops only get commutative-only schedules.
+    """
+    from . import model
+
+    if not reducer.commutative:
+        return "native"  # the model times order-keeping schedules too, but native keeps order
+    return model.choose(nranks, nbytes, True, topology)

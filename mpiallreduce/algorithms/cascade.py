@@ -24,11 +24,14 @@ from .compose import choose_inner, flat_steps, pad, program_length, relabel, res
 from .ring import ring_allgather, ring_reduce_scatter
 
 
+@lru_cache(maxsize=256)
 def _shape(ranks: tuple[int, ...], ids: tuple[int, ...]):
-    """Units of ``ranks`` at one level, the core size (smallest unit) and the most extra ranks."""
+    """Units of ``ranks`` at one level, the core size (smallest unit), the most extra ranks,
+    and each rank's unit (cached: every rank of a level asks for the same shape)."""
     members = units(ranks, ids)
     sizes = [len(unit) for unit in members]
-    return members, min(sizes), max(sizes) - min(sizes)
+    unit_of = {rank: unit for unit in members for rank in unit}
+    return members, min(sizes), max(sizes) - min(sizes), unit_of
 
 
 def _shard(core: int, owner: int, count: int) -> tuple[int, int]:
@@ -41,7 +44,7 @@ def _length(ranks: tuple[int, ...], levels: tuple, count: int, inner: str) -> in
     """Steps of every rank's cascade program for ``ranks`` on ``count`` elements."""
     if not levels:
         return program_length(inner, len(ranks), count)
-    members, core, extra = _shape(ranks, levels[0])
+    members, core, extra, _ = _shape(ranks, levels[0])
     cross = max(_length(tuple(unit[j] for unit in members), levels[1:],
                         _size(_shard(core, j, count)), inner) for j in range(core))
     return extra + 2 * (core - 1) + cross + (1 if extra else 0)
@@ -90,8 +93,8 @@ def _cascade(rank: int, ranks: tuple[int, ...], levels: tuple, start: int, stop:
     count = stop - start
     if not levels:
         return flat_steps(inner, rank, ranks, start, stop)
-    members, core, extra = _shape(ranks, levels[0])
-    unit = next(unit for unit in members if rank in unit)
+    members, core, extra, unit_of = _shape(ranks, levels[0])
+    unit = unit_of[rank]
     local = unit.index(rank)
     steps = relabel(_fold_in(local, unit, core, extra, count), unit, start)
     if local < core:

@@ -1,0 +1,169 @@
+"""Cost model: simulator against the closed forms, symmetry against the full simulation,
+calibration fit, the predict command line, and the 4096-rank build time (serial, no MPI ranks)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpiallreduce import algorithms
+from mpiallreduce.algorithms.compose import program_length
+from mpiallreduce.model import (
+    DEFAULT_MACHINE,
+    ROTATION_INVARIANT,
+    Link,
+    Machine,
+    choose,
+    fit_alpha_beta,
+    main,
+    predict,
+)
+from mpiallreduce.topology import Topology
+
+ALPHA, BETA, GAMMA = 1e-6, 1e-9, 1e-10
+PLAIN = Machine(Link(ALPHA, BETA), Link(5e-6, 1e-8), (("float32", GAMMA),))
+
+
+def closed_form(name, p, n):
+    lg = (p - 1).bit_length()
+    return {"ring": 2 * (p - 1) * ALPHA + 2 * (p - 1) / p * n * BETA + (p - 1) / p * n * GAMMA,
+            "tree": 2 * lg * (ALPHA + n * BETA) + lg * n * GAMMA,
+            "recursive_doubling": lg * (ALPHA + n * BETA + n * GAMMA),
+            "rabenseifner": 2 * lg * ALPHA + 2 * (p - 1) / p * n * BETA + (p - 1) / p * n * GAMMA,
+            }[name]
+
+
+@pytest.mark.parametrize("name", ["ring", "tree", "recursive_doubling", "rabenseifner"])
+@pytest.mark.parametrize("p", [2, 4, 8, 32])
+@pytest.mark.parametrize("n", [4096, 1 << 20])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_simulator_agrees_with_the_closed_forms(name, p, n, symmetric):
+    predicted = predict(name, p, n, machine=PLAIN, symmetric=symmetric).time
+    assert predicted == pytest.approx(closed_form(name, p, n), rel=0.01)
+
+
+def test_per_step_term_counts_every_non_empty_step():
+    machine = Machine(Link(ALPHA, BETA), Link(ALPHA, BETA), (("float32", GAMMA),), step=1e-5)
+    p, n = 8, 1 << 16
+    assert predict("ring", p, n, machine=machine).time == pytest.approx(
+        closed_form("ring", p, n) + 2 * (p - 1) * 1e-5, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))
+@pytest.mark.parametrize("count", [1 << 20, 1000, 3])
+@pytest.mark.parametrize("layout", [(64, 8), (48, 4), (16, 1), (12, 12)])
+def test_symmetric_simulation_matches_every_rank(name, count, layout):
+    p, per_node = layout
+    topology = Topology.simulated(p, per_node)
+    machine, tolerance = PLAIN, 0.01
+    if name in ROTATION_INVARIANT and count < p:
+        # fewer elements than ranks: most ring messages are empty and not sent, and the class
+        # representatives miss the one chain of non-empty hops; the per-step term dominates
+        machine, tolerance = DEFAULT_MACHINE, 0.25
+    fast = predict(name, p, count * 4, topology, machine)
+    full = predict(name, p, count * 4, topology, machine, symmetric=False)
+    # exact where blocks are equal; rotated programs may differ by one element per message
+    assert fast.time == pytest.approx(full.time, rel=tolerance)
+    if tolerance == 0.01:
+        assert sum(fast.link_bytes) == pytest.approx(sum(full.link_bytes), rel=0.01)
+
+
+def test_counts_per_rank_and_link():
+    topology = Topology.simulated(8, 4)
+    result = predict("ring", 8, 8 * 1024, topology, PLAIN, symmetric=False)
+    assert result.sent_messages.tolist() == [14] * 8
+    assert result.link_messages == (84, 28)
+    assert result.link_messages[1] == 2 * 14  # ranks 3 and 7 send across, 14 steps each
+    assert sum(b for _, b in result.pairs.values()) == sum(result.link_bytes)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, a in algorithms.REGISTRY.items()
+                                        if not a.uses_topology))
+@pytest.mark.parametrize("p", list(range(1, 34)) + [48, 64])
+def test_every_rank_of_a_flat_program_has_one_length(name, p):
+    algorithm = algorithms.get(name)
+    for count in (1, p + 1, 1000):
+        lengths = {len(algorithm.steps(r, p, count, **algorithm.params)) for r in range(p)}
+        assert lengths == {program_length(name, p, count)}
+
+
+@pytest.mark.parametrize("name", sorted(ROTATION_INVARIANT))
+def test_rotation_invariant_schedules_are(name):
+    p, count = 12, 12 * 5
+    algorithm = algorithms.get(name)
+    zero = algorithm.steps(0, p, count, **algorithm.params)
+    for rank in range(p):
+        steps = algorithm.steps(rank, p, count, **algorithm.params)
+        assert [[((s.peer - rank) % p, s.size) for s in step.sends] for step in steps] == \
+            [[(s.peer, s.size) for s in step.sends] for step in zero]
+
+
+def test_fit_recovers_alpha_and_beta_from_a_fake_pingpong_table():
+    sizes = [4 ** k for k in range(12)]
+    times = [2e-6 + s * 5e-10 for s in sizes]
+    link = fit_alpha_beta(sizes, times)
+    assert link.alpha == pytest.approx(2e-6, rel=1e-6)
+    assert link.beta == pytest.approx(5e-10, rel=1e-6)
+    noisy = [t * (1.05 if i % 2 else 0.95) for i, t in enumerate(times)]
+    link = fit_alpha_beta(sizes, noisy)
+    assert link.alpha == pytest.approx(2e-6, rel=0.1)
+    assert link.beta == pytest.approx(5e-10, rel=0.1)
+
+
+@pytest.mark.parametrize("sizes,times", [([8], [1e-6]), ([8, 8], [1e-6, 2e-6]),
+                                         ([8, 16], [1e-6])])
+def test_fit_refuses_too_little_data(sizes, times):
+    with pytest.raises(ValueError):
+        fit_alpha_beta(sizes, times)
+
+
+def test_machine_round_trips_and_names_missing_fields(tmp_path):
+    path = tmp_path / "m.json"
+    DEFAULT_MACHINE.save(path)
+    assert Machine.load(path) == DEFAULT_MACHINE
+    with pytest.raises(ValueError, match="intra"):
+        Machine.from_dict({"inter": {"alpha": 1, "beta": 1}, "gamma": {}})
+    with pytest.raises(ValueError):
+        Link(-1.0, 0.0)
+
+
+def test_choose_keeps_native_for_small_messages_and_order():
+    assert choose(4096, 8, True, Topology.simulated(4096, 8)) == "native"
+    assert choose(1, 1 << 30, True) == "native"
+    assert choose(16, 1 << 20, False) in {"native", "tree", "recursive_doubling",
+                                          "rabenseifner", "hierarchical"}
+
+
+def test_4096_ranks_build_fast_for_every_algorithm():
+    topology = Topology.simulated(4096, 8)
+    for name in algorithms.REGISTRY:
+        start = time.process_time()
+        predict(name, 4096, 1 << 24, topology)
+        assert time.process_time() - start < 5, name
+
+
+def test_predict_command_prints_every_algorithm_and_a_winner():
+    out = subprocess.run([sys.executable, "-m", "mpiallreduce.model", "predict", "--ranks", "64",
+                          "--ranks-per-node", "8", "--sizes", "8:1M"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    header = next(line for line in out.stdout.splitlines() if "size(B)" in line)
+    for column in ("size(B)", "time(us)", "busbw(GB/s)", "vs_native", "best"):
+        assert column in header
+    rows = [line.split() for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert {row[1] for row in rows} == set(algorithms.REGISTRY) | {"native"}
+    assert sum(row[-1] == "*" for row in rows) == 18  # one winner per size, 8 B .. 1 MiB
+
+
+@pytest.mark.parametrize("argv", [["predict", "--ranks", "0"],
+                                  ["predict", "--ranks", "8", "--sizes", "3:8"],
+                                  ["predict", "--ranks", "8", "--algorithms", "nope"],
+                                  ["predict", "--ranks", "4", "--ranks-per-node", "8"]])
+def test_predict_refuses_bad_input_with_status_2(argv, capsys):
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    assert status == 2
+    assert "error" in capsys.readouterr().err
