@@ -19,6 +19,7 @@ the same on every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib.util
@@ -411,7 +412,7 @@ class _Case:
             run = lambda: mar.allreduce(sendbuf, self.recv, check=False, **kwargs)
         else:
             run = plan.run
-        try:
+        with plan if plan is not None else contextlib.nullcontext():
             seconds = _mean_time(run, self.iterations, self.warmup, comm)
             ok = True
             if opts.validate:
@@ -423,9 +424,6 @@ class _Case:
                 if api == MPI_CALL and reducer(op, self.x.dtype).average:
                     np.divide(self.recv, comm.size, out=self.recv)
                 ok = bool(np.array_equal(self.recv, self.ref))
-        finally:
-            if plan is not None:
-                plan.free()
         ok = comm.allreduce(ok, op=MPI.LAND)
         return seconds, ok
 
