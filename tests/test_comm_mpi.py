@@ -443,9 +443,13 @@ def test_allgather_and_in_place(base, algorithm):
 def test_dup_split_create_keep_routing_with_the_same_options():
     world = MPI.COMM_WORLD
     comm = mar.Comm(world, "ring_segmented", segment_bytes=64, timeout=60)
+    idup, request = comm.Idup()
+    request.Wait()
+    group = comm.Get_group()
     made = [comm.Dup(), comm.Clone(), comm.Split(world.rank % 2, world.rank),
-            comm.Split_type(MPI.COMM_TYPE_SHARED), comm.Create(comm.Get_group()),
-            comm.Create_group(comm.Get_group()), comm.Idup()[0], comm.Dup_with_info(MPI.INFO_NULL)]
+            comm.Split_type(MPI.COMM_TYPE_SHARED), comm.Create(group), comm.Create_group(group),
+            idup, comm.Dup_with_info(MPI.INFO_NULL)]
+    group.Free()
     try:
         for sub in made:
             assert type(sub) is mar.Comm
