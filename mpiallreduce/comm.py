@@ -43,11 +43,12 @@ def _datatype_table() -> dict[int, np.dtype]:
             dtype = dtlib.to_numpy_dtype(datatype)
         except (KeyError, ValueError):
             continue
-        if dtype in DTYPES and dtype.itemsize == datatype.Get_size():
+        if dtype in _DTYPES and dtype.itemsize == datatype.Get_size():
             table[datatype.handle] = dtype
     return table
 
 
+_DTYPES = frozenset(DTYPES)
 _DTYPE_OF = _datatype_table()
 
 #: what the related collectives run for each allreduce algorithm: its own phases where it has
@@ -133,7 +134,7 @@ def _message(spec, writable: bool, blocks: int = 1) -> tuple[np.ndarray, int] | 
         return None
     if datatype is None:
         dtype = flat.dtype
-        if dtype not in DTYPES:
+        if dtype not in _DTYPES:
             return None
         handle = _implicit_datatype(dtype)
     else:
@@ -183,12 +184,21 @@ def _pair(sendbuf, recvbuf) -> tuple[np.ndarray | None, np.ndarray] | None:
     return send[0], recv[0]
 
 
+_REDUCERS: dict = {}  # (predefined op handle, dtype) -> Reducer or None: a hot-path lookup
+
+
 def _reducible(op, dtype: np.dtype):
     """Return mpiallreduce's Reducer for (op, dtype), or None where MPI should decide."""
+    key = (op.handle, dtype) if isinstance(op, MPI.Op) and op.is_predefined else None
+    if key in _REDUCERS:
+        return _REDUCERS[key]
     try:
-        return reducer(op, dtype)
+        red = reducer(op, dtype)
     except (TypeError, ValueError):
-        return None
+        red = None
+    if key is not None:
+        _REDUCERS[key] = red
+    return red
 
 
 # -- requests ---------------------------------------------------------------------------------------
