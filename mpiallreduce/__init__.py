@@ -2,6 +2,7 @@
 
 from .api import ALGORITHMS, allreduce, plan
 from .collectives import allgather, alltoall, bcast, reduce_scatter
+from .comm import Comm
 from .errors import CollectiveTimeout, ScheduleError
 from .executor import Plan
 from .ops import AVG
@@ -9,6 +10,6 @@ from .topology import Topology
 
 __version__ = "0.1.0"
 
-__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Plan", "ScheduleError", "Topology",
+__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Comm", "Plan", "ScheduleError", "Topology",
            "__version__",
            "allgather", "allreduce", "alltoall", "bcast", "plan", "reduce_scatter"]

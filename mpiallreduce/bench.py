@@ -461,7 +461,9 @@ def metadata(comm, opts: Options) -> dict:
     return {
         "tool": "mpiallreduce.bench",
         "version": mar.__version__,
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0].split(",")[0],
+        # "Open MPI v5.0.11, package: ..." / "MPICH Version:      5.0.2": the first part, one space
+        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+                                .split()),
         "mpi_library_full": MPI.Get_library_version().strip().splitlines()[0],
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": __import__("mpi4py").__version__,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run the serial tests, then the MPI tests at each rank count in $RANKS.
+# Run the serial tests, then the MPI tests at each rank count in $RANKS, with the MPI of $VENV.
 # Each MPI run is `mpirun -n N python -m mpi4py -m pytest --with-mpi` under `timeout`, so a
-# failing rank aborts the job instead of hanging it. Rank 0's pytest output is printed; every
-# rank's full log is kept in .test-logs/nN/rankR.log and printed if that run fails.
+# failing rank aborts the job instead of hanging it. The launcher is the venv's own (Open MPI's
+# or MPICH's Hydra `mpirun`); a rank's number comes from OMPI_COMM_WORLD_RANK (Open MPI) or
+# PMI_RANK (MPICH). Rank 0's pytest output is printed; every rank's full log is kept in
+# .test-logs/VENV/nN/rankR.log and printed if that run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -15,8 +17,12 @@ export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export PYTHONUNBUFFERED=1
 status=0
 start=$(date +%s)
+echo "=== MPI: $("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())')"
 passed=0
 failed=0
+summary_of() {  # pytest's summary line in a log (MPI libraries may print after it at exit)
+    grep -aE "^[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran" "$1" | tail -n 1
+}
 count() {  # add the counts of a pytest summary line to the totals
     local line=$1 n
     n=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+"); passed=$((passed + ${n:-0}))
@@ -30,14 +36,14 @@ if [ "$SERIAL" = 1 ]; then
     timeout "$MPI_TIMEOUT" "$PY" -m pytest -q --color=no -m "not mpi and not slow" tests \
         | tee .test-logs-serial.txt
     rc=${PIPESTATUS[0]}
-    count "$(tail -n 1 .test-logs-serial.txt)"
+    count "$(summary_of .test-logs-serial.txt)"
     rm -f .test-logs-serial.txt
     [ $rc -ne 0 ] && { echo "serial tests failed (exit $rc)"; status=1; }
 fi
 
 for n in $RANKS; do
     echo "=== MPI tests, -n $n"
-    logs=.test-logs/n$n
+    logs=.test-logs/$(basename "$VENV")/n$n
     rm -rf "$logs" && mkdir -p "$logs"
     t0=$(date +%s)
     timeout "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n "$n" bash -c '
@@ -54,7 +60,7 @@ for n in $RANKS; do
         done
         status=1
     fi
-    summary=$(tail -n 1 "$logs/rank0.log")
+    summary=$(summary_of "$logs/rank0.log")
     count "$summary"
     [ $rc -ne 0 ] && ! grep -qE "failed|error" <<<"$summary" && failed=$((failed + 1))
     echo "=== -n $n: $summary ($(( $(date +%s) - t0 )) s)"

