@@ -65,7 +65,7 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
                       f"call, or runs calls on it in a different order, or passed check=False "
                       f"(no data has moved yet)")
             if on_timeout is not None:
-                on_timeout(reason, [request])
+                on_timeout(reason, [request], (signature,))
             raise CollectiveTimeout(reason)
     if signature.result == signature.packed and error is None:
         return

@@ -117,6 +117,7 @@ class CommState:
     topology: Topology | None = None
     broken: str | None = None
     stale: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
     slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
     next_slot: int = 1
 
@@ -125,9 +126,13 @@ class CommState:
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
         self.slots = max(2, (tag_ub + 1) // STEP_TAGS)
 
-    def mark_broken(self, reason: str, pending=()) -> None:
+    def mark_broken(self, reason: str, pending=(), keep=()) -> None:
+        """Refuse the communicator from now on. ``pending`` are requests MPI may still complete;
+        ``keep`` the buffers they (or cancelled point-to-point messages) may still touch, held
+        so that MPI never writes into freed memory (mpi4py does not hold them for us)."""
         self.broken = reason
         self.stale.extend(pending)
+        self.kept.extend(keep)
         self.calls.clear()
 
     def refuse_if_broken(self, what: str) -> None:

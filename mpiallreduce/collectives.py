@@ -43,7 +43,7 @@ def _run(call: Call, count: int, layout: Layout, native, timeout) -> np.ndarray:
             if not poll([request], time.monotonic() + timeout):
                 reason = (f"native {call.collective} on rank {private.Get_rank()}: not complete "
                           f"within {timeout:g} s (MPI does not say which rank is missing)")
-                state.mark_broken(reason, [request])
+                state.mark_broken(reason, [request], (call.send, call.recv, layout))
                 raise CollectiveTimeout(reason)
         if count and call.reducer is not None and call.reducer.average:
             np.divide(result, private.Get_size(), out=result)

@@ -288,14 +288,15 @@ class _PlanBase:
         check_timeout(timeout)
         return timeout, time.monotonic() + timeout
 
-    def _fail(self, reason: str, pending=()) -> None:
+    def _fail(self, reason: str, pending=(), keep=()) -> None:
         """Mark the plan and its communicator unusable, then raise CollectiveTimeout.
 
         ``pending`` are requests MPI cannot cancel (collective ones); the state keeps them.
         """
         self._broken = reason
         if self._state is not None:
-            self._state.mark_broken(reason, list(pending))
+            # the buffers stay alive: MPI may still complete what was abandoned
+            self._state.mark_broken(reason, list(pending), (self, *keep))
         raise CollectiveTimeout(f"{reason}; the plan is unusable now")
 
     def free(self) -> None:
@@ -485,7 +486,8 @@ class Plan(_PlanBase):
         peers = ", ".join(map(str, waiting or unsent))
         self._fail(f"{self._label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} "
                    f"in step {bound.index} within {timeout:g} s (a rank did not make this call, "
-                   f"or ranks run plans or calls on this communicator in different orders)")
+                   f"or ranks run plans or calls on this communicator in different orders)",
+                   keep=(requests,))
 
 
 class NativePlan(_PlanBase):
