@@ -1,0 +1,74 @@
+"""``python -m mpiallreduce``: what the package sees (versions, MPI, ranks, nodes, deviations).
+
+Like ``ompi_info`` or ``torch.utils.collect_env``: run it alone or under ``mpirun``; rank 0
+prints, every rank takes part in the topology discovery. Exit status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import numpy as np
+
+
+def report(comm=None) -> list[str]:
+    """Return the lines to print (collective over ``comm``, default COMM_WORLD)."""
+    import mpi4py
+    from mpi4py import MPI
+
+    import mpiallreduce as mar
+
+    from . import ops, select
+    from .topology import RANKS_PER_NODE_ENV
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    topology = mar.Topology.from_comm(comm)
+    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    library = " ".join(MPI.Get_library_version().split())
+    simulated = os.environ.get(RANKS_PER_NODE_ENV)
+    deviations = [f"{op} on {dtype.name}" for dtype in ops.NARROW_INTS for op in ("SUM", "PROD")
+                  if ops.native_deviates(op, dtype)]
+    table = getattr(select, "table_path", lambda: None)()
+    lines = [
+        f"mpiallreduce {mar.__version__} ({os.path.dirname(mar.__file__)})",
+        f"python {platform.python_version()}, numpy {np.__version__}, mpi4py {mpi4py.__version__}",
+        f"MPI library: {library[:160].strip()}",
+        f"MPI standard: {'.'.join(map(str, MPI.Get_version()))}; thread level: "
+        f"{levels.get(MPI.Query_thread(), MPI.Query_thread())} "
+        f"(threads may use different communicators at once only at 'multiple')",
+        f"ranks: {comm.Get_size()}; nodes: {topology.nnodes} of "
+        f"{'+'.join(map(str, topology.node_sizes))} rank(s)"
+        + (f" (simulated: {RANKS_PER_NODE_ENV}={simulated})" if simulated else
+           " (MPI_COMM_TYPE_SHARED)"),
+        f"algorithms: {', '.join(mar.ALGORITHMS)}",
+        "auto: " + (f"tuning table {table}" if table else
+                    "built-in rule (no tuning table found)"),
+        "native deviations: " + (
+            f"saturating {', '.join(deviations)} (auto runs a schedule for these instead)"
+            if deviations else "none found (8/16-bit SUM and PROD wrap as C does)"),
+    ]
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    if argv:
+        print(f"python -m mpiallreduce: takes no arguments, got {' '.join(argv)} "
+              f"(the bench is python -m mpiallreduce.bench)", file=sys.stderr)
+        return 2
+    from mpi4py import MPI
+
+    lines = report()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
