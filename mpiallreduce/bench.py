@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 
@@ -134,10 +135,10 @@ def parse_apis(text: str) -> list[str]:
 
 
 def parse_algorithms(text: str) -> list[str]:
-    """Return the algorithm names of a comma list; ``all`` means every one but ``auto``."""
+    """Return the algorithm names of a comma list; ``all`` means every one, ``auto`` included."""
     names: list[str] = []
     for item in (part.strip() for part in text.split(",")):
-        expanded = ([a for a in mar.ALGORITHMS if a != "auto"] if item == "all" else [item])
+        expanded = list(mar.ALGORITHMS) if item == "all" else [item]
         for name in expanded:
             if name not in mar.ALGORITHMS:
                 raise UsageError(f"unknown algorithm {name!r} in --algorithms; choose from "
@@ -170,7 +171,7 @@ def build_parser(printing: bool = True) -> _Parser:
                 "exit status: 0 ok, 1 a validation failed, 2 bad arguments (same on every rank)."))
     names = ", ".join(mar.ALGORITHMS)
     parser.add_argument("--algorithms", default="all", metavar="LIST",
-                        help=f"comma list of {names}, or all (every one but auto); native always "
+                        help=f"comma list of {names}, or all (every one); native always "
                              f"runs, as the reference (default: all)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="MIN:MAX",
                         help="message sizes in bytes per rank, every power of two from MIN to MAX; "
@@ -192,6 +193,10 @@ def build_parser(printing: bool = True) -> _Parser:
                              "(mar.allreduce(..., check=False)); with a call mode, comm.Allreduce "
                              "itself is timed too, and rows of a call mode are named "
                              "ALGORITHM/MODE (default: plan)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="R",
+                        help="measure every size R times, the algorithms interleaved in each round; "
+                             "rows show the median and the spread across rounds, and the closing "
+                             "recommendation says whether a lead exceeds it (default: 1)")
     parser.add_argument("--in-place", action="store_true",
                         help="reduce in place (sendbuf = MPI.IN_PLACE) (default: off)")
     parser.add_argument("--no-validate", dest="validate", action="store_false",
@@ -219,6 +224,7 @@ class Options:
 
     algorithms: list[str]
     apis: list[str]
+    repeat: int
     sizes: list[int]
     dtype: np.dtype
     op: str
@@ -294,7 +300,10 @@ def parse_args(argv=None, printing: bool = True) -> Options:
         raise UsageError(f"--ranks-per-node {ranks_per_node}: must be at least 1")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'mpiallreduce[plot]'")
-    return Options(parse_algorithms(args.algorithms), parse_apis(args.api), sizes, dtype, args.op,
+    if args.repeat < 1:
+        raise UsageError(f"--repeat {args.repeat}: must be at least 1")
+    return Options(parse_algorithms(args.algorithms), parse_apis(args.api), args.repeat, sizes,
+                   dtype, args.op,
                    args.iterations, args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
                    ranks_per_node, args.quiet, notes)
 
@@ -317,6 +326,11 @@ class Row:
     busbw_gbs: float
     vs_native: float
     check: str  # "ok", "FAIL" or "-" (not validated)
+    repeats: int = 1
+    avg_lo_us: float = float("nan")  # fastest and slowest round's avg (the spread; --repeat)
+    avg_hi_us: float = float("nan")
+    vs_native_lo: float = float("nan")  # lowest and highest round's ratio to native
+    vs_native_hi: float = float("nan")
 
 
 def make_input(count: int, dtype: np.dtype, op: str, rank: int, seed: int = 2024) -> np.ndarray:
@@ -485,6 +499,8 @@ def metadata(comm, opts: Options) -> dict:
         "warmup": (f"fixed {opts.warmup}" if opts.warmup is not None else
                    "iterations/10, at least 1"),
         "timer": "MPI.Wtime",
+        "repeat": opts.repeat,
+        "api": opts.apis,
     }
 
 
@@ -497,7 +513,8 @@ def header_lines(meta: dict, width: int) -> list[str]:
         f"# ranks: {meta['ranks']}, ranks per node: {meta['ranks_per_node']}",
         f"# dtype: {meta['dtype']}, op: {meta['op']}, in place: {'yes' if meta['in_place'] else 'no'}"
         f", validation: {'on (bit for bit vs comm.Allreduce)' if meta['validate'] else 'off'}",
-        f"# iterations: {meta['iterations']}; warm-up: {meta['warmup']} (untimed)",
+        f"# iterations: {meta['iterations']}; warm-up: {meta['warmup']} (untimed); rounds: "
+        f"{meta.get('repeat', 1)} (algorithms interleaved; rows show the median round)",
         "# time: barrier, then the mean over iterations on each rank; avg/min/max over ranks (us)",
         "# algbw = size/avg, busbw = algbw*2(p-1)/p (GB/s, 1e9 B/s); "
         "vs_native = native avg/avg (>1: faster than native)",
@@ -507,16 +524,69 @@ def header_lines(meta: dict, width: int) -> list[str]:
     ]
 
 
-def format_row(row: Row, width: int) -> str:
-    return (f"  {row.size:>10} {row.algorithm:<{width}} {row.avg_us:>11.2f} {row.min_us:>11.2f} "
+def format_row(row: Row, width: int, spread: bool = False) -> str:
+    line = (f"  {row.size:>10} {row.algorithm:<{width}} {row.avg_us:>11.2f} {row.min_us:>11.2f} "
             f"{row.max_us:>11.2f} {row.algbw_gbs:>11.4f} {row.busbw_gbs:>11.4f} "
             f"{row.vs_native:>9.2f} {row.check}")
+    if spread:
+        line += (f"  spread {row.avg_lo_us:.2f}-{row.avg_hi_us:.2f} us, "
+                 f"vs_native {row.vs_native_lo:.2f}-{row.vs_native_hi:.2f}")
+    return line
+
+
+def _beats_native(row: Row) -> bool:
+    """Faster than native beyond the measured spread: in every round (--repeat), or, with one
+    round, by at least the 1% that the table's two decimals can show."""
+    if row.repeats > 1:
+        return row.vs_native_lo > 1
+    return round(row.vs_native, 2) > 1
+
+
+def _span(sizes: list[int]) -> str:
+    return human(sizes[0]) if len(sizes) == 1 else f"{human(sizes[0])}-{human(sizes[-1])}"
+
+
+def recommendations(rows: list[Row]) -> list[str]:
+    """Per range of sizes, the fastest way to call (plan rows; median time), and whether it
+    beats native by more than the spread measured."""
+    plans = [r for r in rows if r.algorithm != MPI_CALL and "/" not in r.algorithm]
+    best: dict[int, Row] = {}
+    for row in plans:
+        if row.size not in best or row.avg_us < best[row.size].avg_us:
+            best[row.size] = row
+    groups: list[tuple[str, list[Row]]] = []
+    for size in sorted(best):
+        row = best[size]
+        name = row.algorithm if row.algorithm == "native" or _beats_native(row) else "native"
+        if groups and groups[-1][0] == name:
+            groups[-1][1].append(row)
+        else:
+            groups.append((name, [row]))
+    lines = []
+    for name, group in groups:
+        sizes = [r.size for r in group]
+        if name == "native":
+            close = [f"{r.algorithm} {human(r.size)} ({r.vs_native:.2f}x)" for r in group
+                     if r.algorithm != "native"]
+            note = (f"; ahead by less than the spread: {', '.join(close)}" if close else "")
+            lines.append(f"# recommend {_span(sizes)}: native (nothing beats it beyond the "
+                         f"measured spread{note})")
+        else:
+            ratios = ", ".join(f"{human(r.size)} {r.vs_native:.2f}x" for r in group)
+            spread = ("in every round" if group[0].repeats > 1
+                      else "one round: rerun with --repeat 3 to see the spread")
+            lines.append(f"# recommend {_span(sizes)}: {name} (faster than native: {ratios}; "
+                         f"{spread})")
+    return lines
 
 
 def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
-    """Return one closing line per algorithm: mean busbw and the sizes where it beat native."""
-    lines = ["#", "# summary: mean busbw over sizes; sizes where avg latency beat native "
-                  "(vs_native > 1)"]
+    """Return one closing line per algorithm (mean busbw, the sizes where it beat native beyond
+    the spread, or its cost against comm.Allreduce for the call modes), then recommendations."""
+    repeats = max((r.repeats for r in rows), default=1)
+    beyond = (f"in all {repeats} rounds" if repeats > 1
+              else "by at least 1%; one round, no spread measured")
+    lines = ["#", f"# summary: mean busbw over sizes; sizes where avg latency beat native ({beyond})"]
     for name in algorithms:
         mine = [r for r in rows if r.algorithm == name]
         if not mine:
@@ -530,11 +600,11 @@ def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
             if ratios:
                 line += f"; time / comm.Allreduce: {', '.join(ratios)}"
         elif name != "native":
-            wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if r.vs_native > 1]
+            wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if _beats_native(r)]
             line += (f"; faster than native at {len(wins)} size(s): {', '.join(wins)}" if wins
                      else "; never faster than native")
         lines.append(line)
-    return lines
+    return lines + ["#"] + recommendations(rows)
 
 
 def write_json(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
@@ -608,31 +678,40 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
     busfactor = 2 * (comm.size - 1) / comm.size
     for size in opts.sizes:
         case = _Case(comm, opts, size)
-        native_us = None
+        # rounds[label] = [(avg, min, max, ok), ...]: every case once per round, interleaved
+        rounds: dict[str, list[tuple[float, float, float, bool]]] = {}
         lines = []
-        for algorithm, api, label in opts.cases:
-            result = case.measure(algorithm, topology, api)
-            if isinstance(result, str):
-                if (label, result) not in refused:
-                    refused.add((label, result))
-                    notes.append(f"{label} skipped: {result}")
-                    if show:
-                        lines.append(f"# {label} skipped: {result}")
-                continue
-            seconds, ok = result
-            all_ok &= ok
-            stats = _stats(comm, seconds)
-            if stats is None:
-                continue
-            avg, low, high = stats
-            native_us = avg if label == "native" else native_us
+        for _ in range(opts.repeat):
+            for algorithm, api, label in opts.cases:
+                result = case.measure(algorithm, topology, api)
+                if isinstance(result, str):
+                    if (label, result) not in refused:
+                        refused.add((label, result))
+                        notes.append(f"{label} skipped: {result}")
+                        if show:
+                            lines.append(f"# {label} skipped: {result}")
+                    continue
+                seconds, ok = result
+                all_ok &= ok
+                stats = _stats(comm, seconds)
+                if stats is not None:
+                    rounds.setdefault(label, []).append((*stats, ok))
+        native = [avg for avg, *_ in rounds.get("native", [])]
+        for label, measured in rounds.items():
+            middle = sorted(measured)[(len(measured) - 1) // 2]  # the median round (lower one)
+            avg, low, high = middle[:3]
+            ok = all(round_ok for *_, round_ok in measured)
+            ratios = [n / m for n, (m, *_) in zip(native, measured)] if native else []
             algbw = size / avg / 1e3  # B/µs -> GB/s
             row = Row(size, case.count, label, case.iterations, case.warmup, avg, low, high,
-                      algbw, algbw * busfactor, native_us / avg if native_us else float("nan"),
-                      ("ok" if ok else "FAIL") if opts.validate else "-")
+                      algbw, algbw * busfactor,
+                      statistics.median(native) / avg if native else float("nan"),
+                      ("ok" if ok else "FAIL") if opts.validate else "-", len(measured),
+                      min(m[0] for m in measured), max(m[0] for m in measured),
+                      min(ratios, default=float("nan")), max(ratios, default=float("nan")))
             rows.append(row)
             if show or (root and not ok):
-                lines.append(format_row(row, opts.width))
+                lines.append(format_row(row, opts.width, opts.repeat > 1))
         if lines and root:
             print("\n".join(lines), file=out, flush=True)
     return rows, notes, all_ok

@@ -61,10 +61,10 @@ def test_default_iterations_shrink_with_size_within_bounds():
     assert all(1 <= warmup <= iterations for iterations, warmup in counts)
 
 
-def test_all_means_every_algorithm_but_auto_and_native_always_runs_first():
+def test_all_means_every_algorithm_auto_included_and_native_always_runs_first():
     names = bench.parse_algorithms("all")
     assert names[0] == "native"
-    assert set(names) == set(mar.ALGORITHMS) - {"auto"}
+    assert set(names) == set(mar.ALGORITHMS)
     assert bench.parse_algorithms("ring") == ["native", "ring"]
     assert bench.parse_algorithms("auto,native,ring,ring") == ["native", "auto", "ring"]
 
@@ -358,3 +358,56 @@ def test_no_validate_and_quiet(shared_dir):
     assert status == bench.EXIT_OK and text == ""
     rows = json.loads((folder / "q.json").read_text())["rows"]
     assert rows and {r["check"] for r in rows} == {"-"}
+
+
+# -- repeats, spread and recommendations -------------------------------------------------------------
+
+def _row(size, name, avg, ratio, lo=float("nan"), hi=float("nan"), repeats=1):
+    return bench.Row(size, size // 4, name, 10, 1, avg, avg, avg, 1.0, 1.0, ratio, "ok", repeats,
+                     avg, avg, lo, hi)
+
+
+def test_a_lead_within_the_spread_is_not_a_win():
+    rows = [_row(8, "native", 2.0, 1.0, 1.0, 1.0, 3), _row(8, "ring", 1.9, 1.05, 0.8, 1.3, 3),
+            _row(1 << 20, "native", 900.0, 1.0, 1.0, 1.0, 3),
+            _row(1 << 20, "ring", 500.0, 1.8, 1.6, 1.9, 3),
+            _row(2 << 20, "native", 1800.0, 1.0, 1.0, 1.0, 3),
+            _row(2 << 20, "ring", 1000.0, 1.8, 1.7, 1.9, 3)]
+    lines = bench.summary_lines(rows, ["native", "ring"])
+    assert "# ring: mean busbw 1.0000 GB/s over 3 size(s); faster than native at 2 size(s): " \
+           "1M (1.80x), 2M (1.80x)" in lines
+    recommend = [line for line in lines if line.startswith("# recommend")]
+    assert recommend == [
+        "# recommend 8: native (nothing beats it beyond the measured spread; ahead by less than "
+        "the spread: ring 8 (1.05x))",
+        "# recommend 1M-2M: ring (faster than native: 1M 1.80x, 2M 1.80x; in every round)"]
+
+
+def test_one_round_never_calls_1_00x_a_win():
+    rows = [_row(2 << 20, "native", 100.0, 1.0), _row(2 << 20, "ring", 99.8, 1.002)]
+    lines = bench.summary_lines(rows, ["native", "ring"])
+    assert "# ring: mean busbw 1.0000 GB/s over 1 size(s); never faster than native" in lines
+    assert lines[-1].startswith("# recommend 2M: native")
+
+
+@pytest.mark.parametrize("argv, message", [(["--repeat", "0"], "--repeat 0"),
+                                           (["--api", "plan,fast"], "--api 'plan,fast'")])
+def test_bad_repeat_and_api_exit_2(argv, message, capsys):
+    assert bench.main(argv) == bench.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_repeats_and_call_modes_in_one_table():
+    comm = MPI.COMM_WORLD
+    status, text = _run(comm, ["--sizes", "8:16", "--iterations", "3", "--warmup", "1",
+                               "--repeat", "2", "--algorithms", "ring", "--api", "plan,call"])
+    assert status == bench.EXIT_OK
+    assert "rounds: 2 (algorithms interleaved" in text
+    labels = [line.split()[1] for line in text.splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert labels == ["native", "comm.Allreduce", "native/call", "ring", "ring/call"] * 2  # 2 sizes
+    assert all("spread " in line for line in text.splitlines()
+               if line.strip() and not line.startswith("#"))
+    assert "# ring/call: mean busbw" in text and "time / comm.Allreduce: 8 " in text
+    assert "# recommend 8-16: " in text
