@@ -184,6 +184,14 @@ def _pair(sendbuf, recvbuf) -> tuple[np.ndarray | None, np.ndarray] | None:
     return send[0], recv[0]
 
 
+def _same_elements(view: np.ndarray, array) -> bool:
+    """Is ``view`` (a parsed message) all of ``array``'s elements, in its memory order?"""
+    return (isinstance(array, np.ndarray) and view.dtype == array.dtype
+            and view.size == array.size and array.size > 0
+            and (array.flags.c_contiguous or array.flags.f_contiguous)
+            and view.ctypes.data == array.ctypes.data)
+
+
 _REDUCERS: dict = {}  # (predefined op handle, dtype) -> Reducer or None: a hot-path lookup
 
 
@@ -347,6 +355,8 @@ class Comm(MPI.Intracomm):
         self._ag_algorithm = allgather_algorithm or ag_default
         self._options = options
         self._related = {k: v for k, v in options.items() if k in ("check", "timeout")}
+        self._view = None  # the plain view mpiallreduce gets, made once (see _plain)
+        self._routed: dict = {}  # (ids of sendbuf, recvbuf, op) -> those objects: see Allreduce
         self._settings = dict(options, reduce_scatter_algorithm=reduce_scatter_algorithm,
                               allgather_algorithm=allgather_algorithm)
 
@@ -368,7 +378,12 @@ class Comm(MPI.Intracomm):
             return None  # MPI raises its own error for a null communicator
         if self.Get_attr(_PENDING):
             _flush(self)
-        return MPI.Intracomm(self)
+        view = self._view
+        if view is None or view.handle != self.handle:
+            # one object per handle: mpiallreduce caches plans by the communicator's identity
+            view = self._view = MPI.Intracomm(self)
+            self._routed.clear()
+        return view
 
     def _adopt(self, comm):
         """Wrap a communicator made from this one with the same options."""
@@ -380,11 +395,31 @@ class Comm(MPI.Intracomm):
     # -- collectives through mpiallreduce ------------------------------------------------------
 
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
-        """Reduce to all, as ``MPI.Intracomm.Allreduce``, with this communicator's algorithm."""
+        """Reduce to all, as ``MPI.Intracomm.Allreduce``, with this communicator's algorithm.
+
+        Arrays passed before, unchanged, skip the buffer-spec parsing and go to
+        ``mar.allreduce`` as they are, so that its plan cache (keyed by their identity) hits.
+        """
+        routed = self._routed.get((id(sendbuf), id(recvbuf), id(op)))
+        view = self._view
+        if routed is not None and view is not None and view.handle == self.handle \
+                and recvbuf.shape == routed[3] and recvbuf.dtype == routed[4]:
+            allreduce(sendbuf, recvbuf, op, comm=view, algorithm=self._algorithm, **self._options)
+            return None
         route = self._reduction(sendbuf, recvbuf, op)
         if route is None:
             return super().Allreduce(sendbuf, recvbuf, op)
         plain, send, recv = route
+        if _same_elements(recv, recvbuf) and (
+                sendbuf is MPI.IN_PLACE or (_same_elements(send, sendbuf)
+                                            and sendbuf.shape == recvbuf.shape)):
+            # plain arrays: the same call works on the objects themselves from now on
+            if len(self._routed) >= 64:
+                self._routed.clear()
+            self._routed[(id(sendbuf), id(recvbuf), id(op))] = (
+                sendbuf, recvbuf, op, recvbuf.shape, recvbuf.dtype)
+            allreduce(sendbuf, recvbuf, op, comm=plain, algorithm=self._algorithm, **self._options)
+            return None
         allreduce(MPI.IN_PLACE if send is None else send, recv, op, comm=plain,
                   algorithm=self._algorithm, **self._options)
         return None

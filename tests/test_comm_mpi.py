@@ -473,3 +473,26 @@ def test_everything_else_is_plain_mpi4py():
     comm.Bcast(buf, root=0)
     assert buf[0] == 0
     comm.Barrier()
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_repeated_allreduce_reuses_one_cached_plan(algorithm):
+    """The drop-in hands the caller's own arrays to mar.allreduce, whose plan cache then hits."""
+    from conftest import assert_matches_native
+
+    from mpiallreduce import _state
+
+    world = MPI.COMM_WORLD.Dup()
+    comm = mar.Comm(world, algorithm=algorithm)
+    x = np.arange(6.0) + comm.rank
+    out = np.empty_like(x)
+    for _ in range(3):
+        comm.Allreduce(x, out, op=MPI.SUM)
+        assert_matches_native(world, x, out, MPI.SUM)
+    assert len(_state.existing(world).calls.entries) == 1
+    x.dtype = out.dtype = np.int32  # same objects, another element type: parsed again
+    x[:] = comm.rank
+    comm.Allreduce(x, out, op=MPI.SUM)
+    assert_matches_native(world, x, out, MPI.SUM)
+    comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)
+    world.Free()
