@@ -27,7 +27,10 @@ program per class (the lowest rank) and simulates one clock per class. A candida
 accepted only if the representatives' programs are consistent as a quotient schedule: in every
 step, every (sender class, receiver class, bytes, link) that some representative sends is
 received by the receiver class's representative, and the other way round. The binomial tree
-(rank 0 is the root) fails both candidates and is built in full, O(p lg p) steps. Ranks of one
+(rank 0 is the root) fails both candidates; it, recursive doubling, Rabenseifner, and the
+ring below p elements take exact paths instead (see ``_base_parts``): every rank simulated
+in NumPy from a table built once per (p, topology), or, for the ring, from rank 0's rotated
+program touching only the ranks that hold data. Ranks of one
 class get the same clock, which is exact when the schedule is symmetric (p and the count
 divisible as the closed forms assume) and otherwise off by the one-element differences of the
 block distribution; ``symmetric=False`` builds every rank (the tests compare both).
