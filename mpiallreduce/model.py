@@ -27,7 +27,10 @@ program per class (the lowest rank) and simulates one clock per class. A candida
 accepted only if the representatives' programs are consistent as a quotient schedule: in every
 step, every (sender class, receiver class, bytes, link) that some representative sends is
 received by the receiver class's representative, and the other way round. The binomial tree
-(rank 0 is the root) fails both candidates and is built in full, O(p lg p) steps. Ranks of one
+(rank 0 is the root) fails both candidates; it, recursive doubling, Rabenseifner, and the
+ring below p elements take exact paths instead (see ``_base_parts``): every rank simulated
+in NumPy from a table built once per (p, topology), or, for the ring, from rank 0's rotated
+program touching only the ranks that hold data. Ranks of one
 class get the same clock, which is exact when the schedule is symmetric (p and the count
 divisible as the closed forms assume) and otherwise off by the one-element differences of the
 block distribution; ``symmetric=False`` builds every rank (the tests compare both).
@@ -54,9 +57,11 @@ from .topology import Topology
 
 INTRA, INTER = 0, 1
 LINK_NAMES = ("intra", "inter")
-#: the flat algorithms a native MPI allreduce chooses among (Open MPI's tuned, MPICH): native is
-#: predicted as the best of them with no interpreter terms, and no knowledge of nodes.
-NATIVE_STAND_INS = ("recursive_doubling", "rabenseifner", "ring")
+#: native is modelled as Open MPI coll/tuned's fixed decision (``allreduce_intra_dec_fixed``,
+#: simplified): recursive doubling below this many bytes per rank (or when the count is below
+#: the largest power of two of p, where its Rabenseifner falls back to it), Rabenseifner from
+#: here on, with no interpreter terms and no knowledge of nodes.
+NATIVE_SMALL_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ class Machine:
         gamma: ``((dtype name, seconds per reduced byte), ...)``; dtypes not listed use float32's.
         step: seconds of Python per non-empty step of a schedule (the executor's loop).
         call: seconds of Python per ``Plan.run()`` call, beyond its steps.
+        copy: seconds per byte to allocate a fresh buffer and copy into it: what Open MPI's
+            Rabenseifner pays per call on the whole message (it allocates a temporary and
+            copies the input into the output), and the schedules do not.
         info: where the numbers come from (MPI library, host, date); not compared.
     """
 
@@ -91,6 +99,7 @@ class Machine:
     gamma: tuple[tuple[str, float], ...]
     step: float = 0.0
     call: float = 0.0
+    copy: float = 0.0
     info: dict = field(default_factory=dict, compare=False, hash=False)
 
     def link(self, kind: int) -> Link:
@@ -109,7 +118,7 @@ class Machine:
         return {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
                 "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
                 "gamma": dict(self.gamma), "step": self.step, "call": self.call,
-                "info": self.info}
+                "copy": self.copy, "info": self.info}
 
     @classmethod
     def from_dict(cls, data: dict) -> Machine:
@@ -125,7 +134,8 @@ class Machine:
                              f"intra.beta, inter.alpha, inter.beta and gamma "
                              f"{{dtype: s/B}}") from None
         return cls(intra, inter, gamma, float(data.get("step", 0.0)),
-                   float(data.get("call", 0.0)), dict(data.get("info", {})))
+                   float(data.get("call", 0.0)), float(data.get("copy", 0.0)),
+                   dict(data.get("info", {})))
 
     @classmethod
     def load(cls, path: str) -> Machine:
@@ -156,8 +166,10 @@ DEFAULT_MACHINE = Machine(
     gamma=(("float32", 7.9e-11), ("float64", 8.1e-11), ("int32", 7.7e-11), ("int64", 7.8e-11)),
     step=11.5e-6,
     call=0.0,
+    copy=2.26e-10,
     info={"source": "built-in: intra-node, gamma and step calibrated on the 2-core VM "
-                    "(Open MPI 5.0.11, 2026-11-30); inter-node a 100 Gb/s network"},
+                    "(Open MPI 5.0.11, 2026-11-30), copy (fresh 64 MiB, NumPy) on the same VM; "
+                    "inter-node a 100 Gb/s network"},
 )
 
 
@@ -346,6 +358,190 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
                      "every rank")
 
 
+# -- exact paths for schedules without symmetry: ranges as slot spans, every rank in NumPy -----------
+
+def _base_parts(name: str, nranks: int, count: int) -> int | None:
+    """Slots whose block-distributed spans are every range of ``name`` at any ``count``, or None.
+
+    Tree and recursive doubling move the whole vector (one slot); Rabenseifner moves spans of
+    its pof2 slots; the ring and, while every block holds at most one element (count < p), the
+    segmented ring move single ring blocks. Building the schedule once at ``count = parts``
+    (one element per slot) gives every range of every other count by :func:`_span_sizes`:
+    ``tests/test_model.py`` checks the result against the per-count simulation.
+    """
+    if name in ("tree", "recursive_doubling"):
+        return 1
+    if name == "rabenseifner":
+        return 1 << (nranks.bit_length() - 1)
+    if name in ROTATION_INVARIANT and count < nranks:
+        return nranks
+    return None
+
+
+def _span_sizes(count: int, parts: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Elements in slots ``[lo, hi)`` of ``count`` split ``parts`` ways (partition.block)."""
+    q, r = divmod(count, parts)
+    return (hi * q + np.minimum(hi, r)) - (lo * q + np.minimum(lo, r))
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Every rank's messages and reductions at the base count, as arrays (slot ranges)."""
+
+    parts: int
+    active: np.ndarray                  # (steps, p) bool: the rank's step is non-empty
+    sends: tuple[tuple[np.ndarray, ...], ...]    # per step: sender, receiver, link, lo, hi
+    reduces: tuple[tuple[np.ndarray, ...], ...]  # per step: rank, lo, hi of REDUCE receives
+
+
+@lru_cache(maxsize=32)
+def _table(name: str, nranks: int, topology: Topology, itemsize: int, params: tuple,
+           parts: int) -> _Table:
+    """Build every rank's program once at ``count = parts`` and keep it as slot ranges."""
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    node = topology.node
+    programs = [algorithm.steps(rank, nranks, parts, topology=topology, **merged)
+                for rank in range(nranks)]
+    length = max((len(p) for p in programs), default=0)
+    active = np.zeros((length, nranks), dtype=bool)
+    sends, reduces = [], []
+    for k in range(length):
+        out, red = [], []
+        for rank, program in enumerate(programs):
+            if k >= len(program) or not program[k]:
+                continue
+            active[k, rank] = True
+            mine = node[rank]
+            for s in program[k].sends:
+                out.append((rank, s.peer, INTER if node[s.peer] != mine else INTRA,
+                            s.start, s.stop))
+            for r in program[k].recvs:
+                if r.action == REDUCE:
+                    red.append((rank, r.start, r.stop))
+        out_array = np.asarray(out, dtype=np.int64).reshape(-1, 5)
+        red_array = np.asarray(red, dtype=np.int64).reshape(-1, 3)
+        sends.append(tuple(out_array.T))
+        reduces.append(tuple(red_array.T))
+    return _Table(parts, active, tuple(sends), tuple(reduces))
+
+
+def _exchange(ready: np.ndarray, sender, receiver, link, nbytes, links) -> np.ndarray:
+    """End time of every rank after one step's messages (the rules of :func:`_run`)."""
+    end = ready.copy()
+    if len(sender) == 0:
+        return end
+    alpha = np.array([links[0].alpha, links[1].alpha])
+    beta = np.array([links[0].beta, links[1].beta])
+    cost = alpha[link] + nbytes * beta[link]
+    size = 2 * len(ready)
+    send_port, recv_port = sender * 2 + link, receiver * 2 + link
+    send_load = np.bincount(send_port, weights=cost, minlength=size)
+    recv_load = np.bincount(recv_port, weights=cost, minlength=size)
+    finish = (np.maximum(ready[sender], ready[receiver])
+              + np.maximum(send_load[send_port], recv_load[recv_port]))
+    np.maximum.at(end, sender, finish)
+    np.maximum.at(end, receiver, finish)
+    return end
+
+
+#: above this many ranks the exact paths leave ``Prediction.pairs`` out (``None``): a dict of
+#: every (sender, receiver) pair costs more than the simulation itself.
+PAIRS_RANKS = 512
+
+
+def _totals(nranks: int, sender, receiver, link, nbytes):
+    """(sent bytes, sent messages per rank, link bytes, link messages, pairs) of message arrays."""
+    sent_bytes = np.bincount(sender, weights=nbytes, minlength=nranks).astype(np.int64)
+    sent_messages = np.bincount(sender, minlength=nranks).astype(np.int64)
+    link_bytes = tuple(int(nbytes[link == kind].sum()) for kind in (INTRA, INTER))
+    link_messages = tuple(int((link == kind).sum()) for kind in (INTRA, INTER))
+    pairs = None
+    if nranks <= PAIRS_RANKS:
+        keys = sender * nranks + receiver
+        unique, index, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        sums = np.bincount(index, weights=nbytes, minlength=len(unique)).astype(np.int64)
+        pairs = {(int(k) // nranks, int(k) % nranks): (int(c), int(b))
+                 for k, c, b in zip(unique, counts, sums)}
+    return sent_bytes, sent_messages, link_bytes, link_messages, pairs
+
+
+def _simulate_table(table: _Table, count: int, itemsize: int, machine: Machine, gamma: float
+                    ) -> tuple[np.ndarray, tuple, int]:
+    """Every rank's clock through the table at ``count``: exact, O(messages) NumPy work."""
+    nranks = table.active.shape[1]
+    links = (machine.intra, machine.inter)
+    clock = np.zeros(nranks)
+    messages = []
+    for k in range(table.active.shape[0]):
+        active = table.active[k]
+        ready = clock + machine.step * active
+        sender, receiver, link, lo, hi = table.sends[k]
+        nbytes = _span_sizes(count, table.parts, lo, hi) * itemsize
+        sent = nbytes > 0
+        sender, receiver, link, nbytes = sender[sent], receiver[sent], link[sent], nbytes[sent]
+        end = _exchange(ready, sender, receiver, link, nbytes, links)
+        messages.append((sender, receiver, link, nbytes))
+        rank, rlo, rhi = table.reduces[k]
+        reduced = np.bincount(rank, weights=_span_sizes(count, table.parts, rlo, rhi) * itemsize,
+                              minlength=nranks)
+        clock = np.where(active, end + reduced * gamma, clock)
+    steps = int(table.active.sum(axis=0).max()) if table.active.size else 0
+    return clock, _totals(nranks, *map(np.concatenate, zip(*messages))), steps
+
+
+@lru_cache(maxsize=32)
+def _ring_base(name: str, nranks: int, itemsize: int, params: tuple):
+    """Rank 0's ring program at ``count = p`` as (send offset, send slot, recv slot, reduces)."""
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    base = []
+    for step_ in algorithm.steps(0, nranks, nranks, **merged):
+        (send,), (recv,) = step_.sends, step_.recvs
+        if send.size != 1 or recv.size != 1 or (send.peer - recv.peer) % nranks != 2 % nranks:
+            raise ScheduleError(f"{name}: rank 0's steps are not single ring blocks")
+        base.append((send.peer, send.start, recv.action == REDUCE))
+    return tuple(base)
+
+
+@lru_cache(maxsize=64)
+def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topology,
+                          itemsize: int, machine: Machine, gamma: float
+                          ) -> tuple[np.ndarray, tuple, int]:
+    """Every rank of a ring with fewer elements than ranks, touching only non-empty messages.
+
+    Rank r's step is rank 0's rotated by r, so the ranks sending a non-empty block in step s
+    are ``(j - slot) mod p`` for the ``count`` one-element blocks j, each to its ring
+    neighbour: one message per port, so a message ends at max(both ready) + α + bβ. Every
+    rank's every step is non-empty (it posts its zero-byte messages' step), so a rank without
+    data in a step only advances by ``step``: clocks are kept relative to that common offset
+    and only the busy ranks are touched. Cached on rank 0's program, so the segmented ring
+    with one piece per block reuses the ring's run.
+    """
+    node = np.asarray(topology.node)
+    links = (machine.intra, machine.inter)
+    alpha = np.array([links[0].alpha, links[1].alpha])
+    cost = alpha + itemsize * np.array([links[0].beta, links[1].beta])
+    relative = np.zeros(nranks)
+    blocks = np.arange(count)
+    senders, receivers = [], []
+    reduce_cost = itemsize * gamma
+    for offset, slot, reduces in base:
+        sender = (blocks - slot) % nranks
+        receiver = (sender + offset) % nranks
+        link = (node[sender] != node[receiver]).astype(np.int64)
+        finish = np.maximum(relative[sender], relative[receiver]) + cost[link]
+        np.maximum.at(relative, sender, finish)
+        np.maximum.at(relative, receiver, finish)
+        if reduces:
+            relative[receiver] += reduce_cost
+        senders.append(sender)
+        receivers.append(receiver)
+    sender, receiver = np.concatenate(senders), np.concatenate(receivers)
+    link = (node[sender] != node[receiver]).astype(np.int64)
+    totals = _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64))
+    return relative + len(base) * machine.step, totals, len(base)
+
 # -- the simulator ---------------------------------------------------------------------------------
 
 @dataclass
@@ -438,6 +634,40 @@ def _run(quotient: _Quotient, machine: Machine, gamma: float) -> np.ndarray:
     return np.asarray(clock, dtype=float)
 
 
+def _counts(quotient: _Quotient):
+    """Per-class and per-link message counts of a quotient (cached: the quotient is)."""
+    found = _COUNTS.get(id(quotient))
+    if found is not None and found[0] is quotient:
+        return found[1]
+    sizes = quotient.sizes
+    sent_bytes = np.zeros(len(quotient.reps), dtype=np.int64)
+    sent_messages = np.zeros(len(quotient.reps), dtype=np.int64)
+    link_bytes, link_messages = [0, 0], [0, 0]
+    pairs: dict | None = {} if quotient.full else None
+    steps = 0
+    for c, program in enumerate(quotient.programs):
+        steps = max(steps, sum(1 for cost in program if cost is not None))
+        for cost in program:
+            if cost is None:
+                continue
+            for peer, nbytes_sent, link in cost.sends:
+                sent_bytes[c] += nbytes_sent
+                sent_messages[c] += 1
+                link_bytes[link] += nbytes_sent * sizes[c]
+                link_messages[link] += sizes[c]
+                if pairs is not None:
+                    messages, volume = pairs.get((quotient.reps[c], peer), (0, 0))
+                    pairs[(quotient.reps[c], peer)] = (messages + 1, volume + nbytes_sent)
+    result = (sent_bytes, sent_messages, tuple(link_bytes), tuple(link_messages), pairs, steps)
+    if len(_COUNTS) > 512:
+        _COUNTS.clear()
+    _COUNTS[id(quotient)] = (quotient, result)
+    return result
+
+
+_COUNTS: dict = {}
+
+
 def _resolve(nranks: int, topology: Topology | None) -> Topology:
     if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
         raise ValueError(f"nranks must be a positive integer, got {nranks!r}")
@@ -455,8 +685,8 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
     """Predict allreduce ``name`` on ``nranks`` ranks of ``nbytes`` bytes each.
 
     Args:
-        name: a registered algorithm, or ``"native"`` (the best of :data:`NATIVE_STAND_INS`
-            on :meth:`Machine.native`: no interpreter terms, no knowledge of nodes).
+        name: a registered algorithm, or ``"native"`` (:func:`native_algorithm` on
+            :meth:`Machine.native`, plus Rabenseifner's per-call copy; no knowledge of nodes).
         topology: which rank is on which node (default: all on one node).
         machine: model parameters (default: :data:`DEFAULT_MACHINE`).
         dtype: element type; ``nbytes`` is rounded down to whole elements.
@@ -475,38 +705,51 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
         raise ValueError(f"nbytes must be an integer >= 0, got {nbytes!r}")
     itemsize = np.dtype(dtype).itemsize
     if name == "native":
-        best = min((predict(stand_in, nranks, nbytes, topology, machine.native(), dtype,
-                            symmetric) for stand_in in NATIVE_STAND_INS), key=lambda p: p.time)
-        best.name = "native"
-        return best
-    quotient = _quotient(name, nranks, int(nbytes) // itemsize, topology, itemsize,
-                         tuple(sorted(params.items())), symmetric)
+        return _predict_native(nranks, nbytes, topology, machine, dtype, symmetric)
+    count = int(nbytes) // itemsize
+    key = tuple(sorted(params.items()))
+    parts = _base_parts(name, nranks, count) if symmetric and nranks > 1 and count else None
+    if parts is not None:
+        gamma = machine.gamma_for(dtype)
+        if name in ROTATION_INVARIANT:
+            base = _ring_base(name, nranks, itemsize, key)
+            finish, totals, steps = _simulate_ring_sparse(base, nranks, count, topology,
+                                                          itemsize, machine, gamma)
+            label = "every rank (rotated, busy ranks only)"
+        else:
+            table = _table(name, nranks, topology, itemsize, key, parts)
+            finish, totals, steps = _simulate_table(table, count, itemsize, machine, gamma)
+            label = "every rank (slot spans)"
+        return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
+                          finish.copy(), *totals, steps, label)
+    quotient = _quotient(name, nranks, count, topology, itemsize, key, symmetric)
     clocks = _run(quotient, machine, machine.gamma_for(dtype))
     class_of = np.asarray(quotient.class_of)
-    sizes = np.asarray(quotient.sizes)
-    sent_bytes = np.zeros(len(quotient.reps), dtype=np.int64)
-    sent_messages = np.zeros(len(quotient.reps), dtype=np.int64)
-    link_bytes, link_messages = [0, 0], [0, 0]
-    pairs: dict | None = {} if quotient.full else None
-    steps = 0
-    for c, program in enumerate(quotient.programs):
-        steps = max(steps, sum(1 for cost in program if cost is not None))
-        for cost in program:
-            if cost is None:
-                continue
-            for peer, nbytes_sent, link in cost.sends:
-                sent_bytes[c] += nbytes_sent
-                sent_messages[c] += 1
-                link_bytes[link] += nbytes_sent * int(sizes[c])
-                link_messages[link] += int(sizes[c])
-                if pairs is not None:
-                    messages, volume = pairs.get((quotient.reps[c], peer), (0, 0))
-                    pairs[(quotient.reps[c], peer)] = (messages + 1, volume + nbytes_sent)
+    sent_bytes, sent_messages, link_bytes, link_messages, pairs, steps = _counts(quotient)
     finish = clocks[class_of] if len(clocks) else np.zeros(nranks)
     total = float(finish.max()) + machine.call if finish.size else machine.call
     return Prediction(name, nranks, int(nbytes), total, finish, sent_bytes[class_of],
                       sent_messages[class_of], tuple(link_bytes), tuple(link_messages), pairs,
                       steps, quotient.partition)
+
+
+def native_algorithm(nranks: int, nbytes: int, itemsize: int = 4) -> str:
+    """The flat algorithm the modelled native allreduce runs (see :data:`NATIVE_SMALL_BYTES`)."""
+    pof2 = 1 << (max(nranks, 1).bit_length() - 1)
+    if nbytes < NATIVE_SMALL_BYTES or nbytes // itemsize < pof2:
+        return "recursive_doubling"
+    return "rabenseifner"
+
+
+def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric) -> Prediction:
+    """Open MPI's fixed decision in C: no interpreter terms; Rabenseifner copies n per call."""
+    itemsize = np.dtype(dtype).itemsize
+    stand_in = native_algorithm(nranks, int(nbytes), itemsize)
+    result = predict(stand_in, nranks, nbytes, topology, machine.native(), dtype, symmetric)
+    result.name = "native"
+    if stand_in == "rabenseifner" and nranks > 1:
+        result.time += machine.copy * (int(nbytes) // itemsize * itemsize)
+    return result
 
 
 def candidates(commutative: bool = True) -> list[str]:
@@ -612,6 +855,19 @@ def _gamma(dtype, nbytes: int = 4 << 20, repeats: int = 20) -> float:
     return best / (count * np.dtype(dtype).itemsize)
 
 
+def _copy_cost(nbytes: int = 64 << 20, repeats: int = 7) -> float:
+    """Seconds per byte to allocate a fresh ``nbytes`` buffer and copy into it, best of ``repeats``."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target = np.empty_like(source)
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+        del target
+    return best / nbytes
+
+
 def _step_cost(comm, nsteps: int, iterations: int) -> float:
     """Seconds per ``Plan.run()`` of a schedule of ``nsteps`` one-element exchanges (2 ranks)."""
     from mpi4py import MPI
@@ -665,6 +921,7 @@ def calibrate(comm, sizes: Sequence[int] = tuple(4 ** k for k in range(12)),
     measured = fit_alpha_beta(sizes, times)
     gamma = tuple((name, comm.bcast(_gamma(name), root=0))
                   for name in ("float32", "float64", "int32", "int64"))
+    copy = comm.bcast(_copy_cost(), root=0)
     one, many = _step_cost(comm, 1, 400), _step_cost(comm, 33, 40)
     per_step = max(0.0, (many - one) / 32 - (measured.alpha + 8 * measured.beta))
     per_call = max(0.0, one - per_step - (measured.alpha + 8 * measured.beta))
@@ -681,7 +938,7 @@ def calibrate(comm, sizes: Sequence[int] = tuple(4 ** k for k in range(12)),
                             if inter is not NETWORK_100G else "NETWORK_100G (100 Gb/s example)",
             "pingpong": {"sizes": list(map(int, sizes)), "one_way_s": times},
             "plan_run_s": {"1 step": one, "33 steps": many}}
-    return Machine(intra, inter, gamma, per_step, per_call, info)
+    return Machine(intra, inter, gamma, per_step, per_call, copy, info)
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -857,8 +1114,9 @@ def _run_predict(opts, out) -> int:
           f"call {machine.call * 1e6:.2f} us", file=out)
     print("# busbw = size/time*2(p-1)/p (GB/s); vs_native = native/time; * marks the fastest "
           "schedule of the size", file=out)
-    print("# native: MPI's C code, modelled as the best flat algorithm without interpreter terms",
-          file=out)
+    print(f"# native: Open MPI coll/tuned's fixed decision in C (recursive doubling below "
+          f"{_human(NATIVE_SMALL_BYTES)}, then Rabenseifner plus a copy of the message), no "
+          f"interpreter terms", file=out)
     print(f"#{'size(B)':>11} {'algorithm':<20} {'time(us)':>14} {'busbw(GB/s)':>12} "
           f"{'vs_native':>9} {'steps':>6} {'inter(B)/rank':>14} best", file=out)
     for row in rows:

@@ -12,6 +12,8 @@ another machine or MPI before trusting the threshold there; ``algorithm=`` overr
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .ops import Reducer
 
 #: bytes per rank from which ``auto`` prefers the pipelined ring to native (measured crossover).
@@ -38,11 +40,19 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
 def model_choice(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
     """Fallback where nothing was measured: the cost model's fastest (built-in machine).
 
-    Native (modelled without the interpreter's per-step cost) wins small messages; a schedule
-    only where the model says it is faster. Commutative ops only get commutative-only schedules.
+    Native is modelled as Open MPI's own decision in C (no interpreter cost, a copy of the
+    message per call in its Rabenseifner), so it wins small messages and schedules win large
+    ones. Non-commutative ops get native (it keeps rank order). Memoized per power-of-two size
+    bucket, so a repeated question is a dictionary lookup.
     """
-    from . import model
-
     if not reducer.commutative:
         return "native"  # the model times order-keeping schedules too, but native keeps order
-    return model.choose(nranks, nbytes, True, topology)
+    bucket = 1 << (max(int(nbytes), 1).bit_length() - 1)
+    return _model_choice(nranks, bucket, True, topology)
+
+
+@lru_cache(maxsize=1024)
+def _model_choice(nranks: int, bucket: int, commutative: bool, topology) -> str:
+    from . import model
+
+    return model.choose(nranks, bucket, commutative, topology)
