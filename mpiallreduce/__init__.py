@@ -2,15 +2,17 @@
 
 from .api import ALGORITHMS, allreduce, iallreduce, plan, start
 from .collectives import allgather, alltoall, bcast, reduce_scatter
+from .compression import TopK, cast_allreduce
 from .errors import CollectiveTimeout, ScheduleError
 from .executor import Plan
+from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
 from .ops import AVG
 from .topology import Topology
 
 __version__ = "0.1.0"
 
-__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Plan", "Request", "ScheduleError", "Topology",
-           "__version__",
-           "allgather", "allreduce", "alltoall", "bcast", "iallreduce", "plan", "reduce_scatter",
-           "start"]
+__all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "DelayedSync", "GradSync", "Plan",
+           "Request", "ScheduleError", "ShardedSGD", "TopK", "Topology", "__version__",
+           "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "iallreduce", "plan",
+           "reduce_scatter", "start"]
