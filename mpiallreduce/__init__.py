@@ -1,15 +1,19 @@
 """mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
 
-from .api import ALGORITHMS, allreduce, plan
+from .api import ALGORITHMS, allreduce, iallreduce, plan, start
 from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .comm import Comm
+from .compression import TopK, cast_allreduce
 from .errors import CollectiveTimeout, ScheduleError
 from .executor import Plan
+from .grad import SGD, DelayedSync, GradSync, ShardedSGD
+from .nonblocking import Request
 from .ops import AVG
 from .topology import Topology
 
 __version__ = "0.1.0"
 
-__all__ = ["ALGORITHMS", "AVG", "CollectiveTimeout", "Comm", "Plan", "ScheduleError", "Topology",
-           "__version__",
-           "allgather", "allreduce", "alltoall", "bcast", "plan", "reduce_scatter"]
+__all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
+           "Plan", "Request", "ScheduleError", "ShardedSGD", "TopK", "Topology", "__version__",
+           "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "iallreduce", "plan",
+           "reduce_scatter", "start"]

@@ -1,4 +1,4 @@
-"""Public entry points: ``allreduce`` and ``plan``, short dispatch over the call path.
+"""Public entry points: ``allreduce``, ``plan`` and ``iallreduce``, short dispatch over the call path.
 
 The call path: local checks (:mod:`._checks`), the agreement across ranks (:mod:`._agree`),
 plan building (:mod:`._plans`) on the communicator's state (:mod:`._state`), then the executor.
@@ -17,9 +17,10 @@ from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
 from ._state import CALLS
 from ._state import state as comm_state
 from .collectives import allgather, alltoall, bcast, reduce_scatter
+from .nonblocking import iallreduce, start
 
 __all__ = ["ALGORITHMS", "COLLECTIVE_ALGORITHMS", "allgather", "allreduce", "alltoall", "bcast",
-           "plan", "reduce_scatter"]
+           "iallreduce", "plan", "reduce_scatter", "start"]
 
 _WORLD = MPI.COMM_WORLD
 

@@ -1,0 +1,337 @@
+"""Gradient synchronisation for data-parallel training: buckets, compression, sharding, async.
+
+- :class:`GradSync` averages (or sums) a list of gradient arrays across ranks. It packs them, in
+  reverse registration order (the order backpropagation produces them), into flat buckets of at
+  most ``bucket_bytes`` (25 MiB by default, as PyTorch DDP) and one dtype each, binds one
+  persistent plan per bucket, starts a bucket's reduction (:func:`mpiallreduce.start`, in the
+  progress thread) as soon as all its arrays are marked :meth:`~GradSync.ready`, and unpacks the
+  results into the arrays on :meth:`~GradSync.wait`. Buckets start in bucket order on every
+  rank (a complete bucket waits for the ones before it), which the ordering rule needs.
+  ``compression="fp16"``/``"bf16"`` sends 16-bit words reduced with float32 combines,
+  ``compression=TopK(ratio)`` sends the top-k entries with error feedback
+  (:mod:`.compression`, with the error bounds).
+- :class:`ShardedSGD` is ZeRO stage 1: reduce-scatter the gradients, update this rank's shard
+  of the parameters and of the optimizer state, allgather the parameters.
+- :class:`DelayedSync` is the asynchronous mode: the averaged gradient of step t is applied at
+  step t + 1, so its allreduce runs while step t + 1 computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from . import api, collectives
+from . import compression as codecs
+from .compression import TopK
+from .nonblocking import start
+from .ops import AVG
+from .partition import block
+
+#: default bucket cap in bytes (PyTorch DDP's ``bucket_cap_mb=25``).
+BUCKET_BYTES = 25 << 20
+
+
+@dataclass
+class _Bucket:
+    """Arrays (indices into the synchroniser's list) packed end to end in one flat buffer."""
+
+    members: list  # indices, in packing order (reverse registration order)
+    offsets: list  # start of each member in ``flat``
+    flat: np.ndarray
+    words: np.ndarray | None = None  # 16-bit payload (cast compression)
+    values: np.ndarray | None = None  # top-k: this rank's selected values and their indices
+    indices: np.ndarray | None = None
+    plan: object = None
+    request: object = None
+    waiting: int = 0  # members not yet marked ready this step
+
+
+def _views(bucket: _Bucket, arrays: list):
+    for index, offset in zip(bucket.members, bucket.offsets):
+        yield arrays[index], bucket.flat[offset:offset + arrays[index].size]
+
+
+class GradSync:
+    """Average (or sum) gradient arrays across ranks in buckets, overlapped with backprop.
+
+    Args:
+        arrays: the gradient arrays (C-contiguous, any shapes and dtypes MPI can reduce). They
+            are read when marked ready and overwritten with the result by :meth:`wait`.
+        comm: the communicator (default ``MPI.COMM_WORLD``); building is collective.
+        op: ``mpiallreduce.AVG`` (default) or ``MPI.SUM``.
+        algorithm: any allreduce algorithm (cast compression composes with all of them);
+            top-k's allgathers use it where it names an allgather algorithm, else ``auto``.
+        bucket_bytes: cap on a bucket's bytes (an array larger than the cap gets its own bucket).
+        compression: ``None``, ``"fp16"``, ``"bf16"`` or a :class:`~.compression.TopK`.
+
+    Results equal a per-array ``allreduce`` of each array element for element (the same
+    additions; bit for bit where the algorithm's order of additions does not depend on an
+    element's position, as for tree, recursive_doubling and exactly representable sums).
+    """
+
+    def __init__(self, arrays, comm=None, op=AVG, algorithm="auto", bucket_bytes=BUCKET_BYTES,
+                 compression=None):
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.arrays = [np.asarray(a) for a in arrays]
+        for i, array in enumerate(self.arrays):
+            if not array.flags.c_contiguous or not array.flags.writeable:
+                raise ValueError(f"gradient {i} must be a writable C-contiguous array")
+        if op is not AVG and op is not MPI.SUM:
+            raise ValueError("GradSync op must be mpiallreduce.AVG or MPI.SUM")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.op, self.algorithm = op, algorithm
+        self.codec = None
+        self.topk = compression if isinstance(compression, TopK) else None
+        if compression is not None and self.topk is None:
+            self.codec = codecs.cast(compression)
+        if compression is not None:
+            for i, array in enumerate(self.arrays):
+                codecs.check_float(array, f"gradient {i}")
+        self.buckets = [self._bucket(members) for members in
+                        pack(self.arrays, bucket_bytes)]
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
+        self._next = 0  # the next bucket to start, in bucket order
+        self._marked = [False] * len(self.arrays)
+        self._reset()
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _bucket(self, members: list) -> _Bucket:
+        offsets, total = [], 0
+        for index in members:
+            offsets.append(total)
+            total += self.arrays[index].size
+        bucket = _Bucket(members, offsets, np.empty(total, self.arrays[members[0]].dtype))
+        if self.topk is not None:
+            k = sum(self.topk.k(self.arrays[i].size) for i in members)
+            bucket.values = np.empty(k, bucket.flat.dtype)
+            bucket.indices = np.empty(k, np.int64)
+        elif self.codec is not None:
+            bucket.words = np.empty(total, np.uint16)
+            bucket.plan = api.plan(MPI.IN_PLACE, bucket.words, op=self.codec.op, comm=self.comm,
+                                   algorithm=self.algorithm)
+        else:
+            bucket.plan = api.plan(MPI.IN_PLACE, bucket.flat, op=self.op, comm=self.comm,
+                                   algorithm=self.algorithm)
+        return bucket
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes per step (before the algorithm's traffic factor)."""
+        if self.topk is not None:
+            return sum(b.values.nbytes + b.indices.nbytes for b in self.buckets)
+        if self.codec is not None:
+            return sum(b.words.nbytes for b in self.buckets)
+        return sum(b.flat.nbytes for b in self.buckets)
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._next = 0
+        self._marked = [False] * len(self.arrays)
+        for bucket in self.buckets:
+            bucket.waiting = len(bucket.members)
+            bucket.request = None
+
+    def ready(self, index: int) -> None:
+        """Mark gradient ``index`` final for this step; start every bucket that can start."""
+        if self._marked[index]:
+            raise ValueError(f"gradient {index} is already marked ready in this step")
+        self._marked[index] = True
+        self.buckets[self._bucket_of[index]].waiting -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        for array, view in _views(bucket, self.arrays):
+            np.copyto(view, array.reshape(-1))
+        nranks = self.comm.Get_size()
+        if self.topk is not None:
+            # top-k has no non-blocking form here: its two allgathers run now, in this thread
+            position = 0
+            for index, offset in zip(bucket.members, bucket.offsets):
+                size = self.arrays[index].size
+                k = self.topk.k(size)
+                self.topk.select(index, bucket.flat[offset:offset + size],
+                                 bucket.values[position:position + k],
+                                 bucket.indices[position:position + k], offset)
+                position += k
+            codecs.sparse_sum(bucket.values, bucket.indices, bucket.flat, self.comm,
+                                   self.algorithm)
+            if self.op is AVG:
+                np.divide(bucket.flat, nranks, out=bucket.flat)
+            return
+        if self.codec is not None:
+            codecs.encode_for_sum(self.codec, bucket.flat, bucket.words, nranks,
+                                       self.op is AVG)
+        bucket.request = start(bucket.plan)
+
+    def wait(self) -> list:
+        """Wait for every bucket, unpack the results into the arrays, and return the arrays."""
+        missing = [i for i, marked in enumerate(self._marked) if not marked]
+        if missing:
+            raise ValueError(f"gradients {missing} were not marked ready in this step")
+        try:
+            for bucket in self.buckets:
+                if bucket.request is not None:
+                    bucket.request.wait()
+                if self.codec is not None:
+                    np.copyto(bucket.flat, codecs.decoded(self.codec.decode, bucket.words))
+                for array, view in _views(bucket, self.arrays):
+                    np.copyto(array.reshape(-1), view)
+        finally:
+            self._reset()
+        return self.arrays
+
+    def synchronize(self) -> list:
+        """Mark every gradient ready (in reverse order, as backprop would) and wait."""
+        for index in reversed(range(len(self.arrays))):
+            self.ready(index)
+        return self.wait()
+
+    def free(self) -> None:
+        for bucket in self.buckets:
+            if bucket.plan is not None:
+                bucket.plan.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+def pack(arrays: list, bucket_bytes: int) -> list[list[int]]:
+    """Group array indices into buckets: reverse order, one dtype per bucket, at most the cap.
+
+    A bucket closes when the next array has another dtype or would take it past
+    ``bucket_bytes``; an array bigger than the cap is a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    nbytes, dtype = 0, None
+    for index in reversed(range(len(arrays))):
+        array = arrays[index]
+        if not buckets or array.dtype != dtype or nbytes + array.nbytes > bucket_bytes:
+            buckets.append([])
+            nbytes, dtype = 0, array.dtype
+        buckets[-1].append(index)
+        nbytes += array.nbytes
+    return buckets
+
+
+class SGD:
+    """Momentum SGD, elementwise: ``v = momentum·v + g; x -= lr·v`` (state: ``v``)."""
+
+    def __init__(self, lr: float, momentum: float = 0.0):
+        self.lr, self.momentum = lr, momentum
+
+    def update(self, params: np.ndarray, grads: np.ndarray, velocity: np.ndarray) -> None:
+        np.multiply(velocity, self.momentum, out=velocity)
+        velocity += grads
+        params -= self.lr * velocity
+
+
+class ShardedSGD:
+    """ZeRO stage 1: each rank keeps optimizer state for, and updates, one shard of the params.
+
+    ``step(grads)``: reduce-scatter the flat gradient (SUM, then divided by p for ``AVG``),
+    update this rank's block (:func:`mpiallreduce.partition.block`) of the flat parameters with
+    its block of the momentum, allgather the parameters, and unpack them into ``params``. The
+    result equals an unsharded update with allreduce-averaged gradients (elementwise optimizer,
+    same arithmetic), and optimizer memory per rank is 1/p of it.
+
+    Args:
+        params: parameter arrays (one floating dtype), updated in place.
+        optimizer: an :class:`SGD` (anything with ``update(params, grads, state)``).
+        comm: communicator (default ``MPI.COMM_WORLD``).
+        op: ``mpiallreduce.AVG`` (default) or ``MPI.SUM``: how gradients combine.
+        algorithm: used for the reduce-scatter and allgather where it names one of theirs
+            (``ring``, ``native``; ``recursive_halving`` / ``recursive_doubling``), else ``auto``.
+    """
+
+    def __init__(self, params, optimizer: SGD, comm=None, algorithm="auto", op=AVG):
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        if op is not AVG and op is not MPI.SUM:
+            raise ValueError("ShardedSGD op must be mpiallreduce.AVG or MPI.SUM")
+        self.average = op is AVG
+        self.params = list(params)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise TypeError(f"ShardedSGD needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.optimizer = optimizer
+        self.sizes = [p.size for p in self.params]
+        n, nranks, rank = sum(self.sizes), self.comm.Get_size(), self.comm.Get_rank()
+        self.flat_params = np.concatenate([p.reshape(-1) for p in self.params])
+        self.flat_grads = np.empty_like(self.flat_params)
+        self.lo, self.hi = block(n, nranks, rank)
+        self.grad_shard = np.empty(self.hi - self.lo, self.flat_params.dtype)
+        self.velocity = np.zeros_like(self.grad_shard)  # this rank's shard of the state
+        names = api.COLLECTIVE_ALGORITHMS
+        self.rs_algorithm = algorithm if algorithm in names["reduce_scatter"] else "auto"
+        self.ag_algorithm = algorithm if algorithm in names["allgather"] else "auto"
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes per step: its full gradient, then its parameter shard."""
+        return self.flat_grads.nbytes + self.grad_shard.nbytes
+
+    def step(self, grads) -> list:
+        np.concatenate([g.reshape(-1) for g in grads], out=self.flat_grads)
+        collectives.reduce_scatter(self.flat_grads, self.grad_shard, op=MPI.SUM, comm=self.comm,
+                                   algorithm=self.rs_algorithm)
+        if self.average:
+            np.divide(self.grad_shard, self.comm.Get_size(), out=self.grad_shard)
+        shard = self.flat_params[self.lo:self.hi]
+        self.optimizer.update(shard, self.grad_shard, self.velocity)
+        collectives.allgather(MPI.IN_PLACE, self.flat_params, comm=self.comm,
+                              algorithm=self.ag_algorithm)
+        offset = 0
+        for param, size in zip(self.params, self.sizes):
+            np.copyto(param.reshape(-1), self.flat_params[offset:offset + size])
+            offset += size
+        return self.params
+
+
+class DelayedSync:
+    """Asynchronous mode: ``step(grads)`` starts averaging ``grads`` and returns the average of
+    the previous step's gradients (``None`` on the first step); ``flush()`` returns the last.
+
+    Every replica applies the same averaged gradient, one step late, so replicas stay identical
+    while the allreduce of step t overlaps the computation of step t + 1. Two
+    :class:`GradSync` instances over private copies alternate, so the buffers of the reduction in
+    flight are never touched. Arguments as :class:`GradSync`.
+    """
+
+    def __init__(self, arrays, comm=None, op=AVG, algorithm="auto", bucket_bytes=BUCKET_BYTES):
+        self.syncs = [GradSync([np.array(a, copy=True) for a in arrays], comm, op, algorithm,
+                               bucket_bytes) for _ in range(2)]
+        self.step_index = 0
+        self.in_flight: GradSync | None = None
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.syncs[0].payload_bytes
+
+    def step(self, grads):
+        sync = self.syncs[self.step_index % 2]
+        self.step_index += 1
+        for copy, grad in zip(sync.arrays, grads):
+            np.copyto(copy, grad)
+        for index in reversed(range(len(sync.arrays))):
+            sync.ready(index)
+        previous, self.in_flight = self.in_flight, sync
+        return None if previous is None else previous.wait()
+
+    def flush(self):
+        """Wait for the reduction in flight (if any) and return its average."""
+        previous, self.in_flight = self.in_flight, None
+        return None if previous is None else previous.wait()
+
+    def free(self) -> None:
+        for sync in self.syncs:
+            sync.free()

@@ -1,0 +1,268 @@
+"""Gradient synchronisation: buckets equal per-array allreduce, compression error bounds against
+the exact float64 sum, top-k error feedback, ZeRO-1 equal to the unsharded update, delayed mode,
+and the data-parallel example under every --sync."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+from conftest import assert_identical_across_ranks
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import compression, grad
+
+SHAPES = [((3, 4), "float32"), ((7,), "float64"), ((2, 2, 2), "float32"), ((5,), "float32"),
+          ((1,), "float64"), ((40,), "int64")]
+
+
+def _grads(comm, seed, integer_valued=False, shapes=SHAPES):
+    rng = np.random.default_rng([seed, comm.rank])
+    out = []
+    for shape, dtype in shapes:
+        if integer_valued or np.dtype(dtype).kind == "i":
+            x = rng.integers(-50, 50, shape)
+        else:
+            x = rng.standard_normal(shape)
+        out.append(np.ascontiguousarray(x, dtype=dtype))
+    return out
+
+
+def _exact(comm, x, average=False):
+    """The exact sum (or mean) of every rank's x, in float64 (float64 sums of these are exact
+    to far below the bounds checked)."""
+    total = np.empty(x.shape, np.float64)
+    comm.Allreduce(np.ascontiguousarray(x, np.float64), total, MPI.SUM)
+    return total / comm.size if average else total
+
+
+# -- serial -----------------------------------------------------------------------------------------
+
+def test_pack_reverse_order_dtype_and_cap():
+    arrays = [np.zeros(4, "f4"), np.zeros(4, "f4"), np.zeros(2, "f8"), np.zeros(10, "f4"),
+              np.zeros(1, "f4")]
+    assert grad.pack(arrays, 32) == [[4], [3], [2], [1, 0]]
+    assert grad.pack(arrays, 1 << 20) == [[4, 3], [2], [1, 0]]
+    assert grad.pack(arrays, 1) == [[4], [3], [2], [1], [0]]
+
+
+def test_bf16_rounds_to_nearest_even_and_keeps_nan():
+    bits = np.array([0x3F800000, 0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0x7FC00001,
+                     0xFF800000], np.uint32)
+    words = np.empty(bits.size, np.uint16)
+    compression.BF16.encode(bits.view(np.float32), words)
+    assert list(words) == [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x7FC0, 0xFF80]
+    out = np.empty(3, np.float32)
+    compression.BF16.decode(np.array([0x3F80, 0xC040, 0x0001], np.uint16), out)
+    assert out[0] == 1.0 and out[1] == -3.0 and out[2] == np.float32(2.0 ** -133)
+
+
+def test_fp16_round_trip():
+    x = np.array([1.0, -2.5, 65504.0, 1e-8], np.float32)
+    words = np.empty(4, np.uint16)
+    compression.FP16.encode(x, words)
+    out = np.empty(4, np.float32)
+    compression.FP16.decode(words, out)
+    assert list(out[:3]) == [1.0, -2.5, 65504.0] and abs(out[3] - 1e-8) <= 2.0 ** -25
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="wire format"):
+        compression.cast("fp8")
+    with pytest.raises(ValueError, match="ratio"):
+        mar.TopK(0)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        mar.GradSync([np.zeros(3, "i4")], MPI.COMM_SELF, compression="fp16")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        mar.GradSync([np.zeros(3)], MPI.COMM_SELF, bucket_bytes=0)
+
+
+# -- buckets ----------------------------------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree", "recursive_doubling",
+                                       "rabenseifner"])
+@pytest.mark.parametrize("op", [mar.AVG, MPI.SUM], ids=["AVG", "SUM"])
+def test_buckets_equal_per_array_allreduce(algorithm, op):
+    comm = MPI.COMM_WORLD
+    shapes = SHAPES if op is MPI.SUM else SHAPES[:-1]  # AVG is for floats
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)  # exact whatever the order
+    with mar.GradSync(grads, comm, op=op, algorithm=algorithm, bucket_bytes=64) as sync:
+        assert len(sync.buckets) > 2
+        for step in range(2):
+            fresh = _grads(comm, step, integer_valued=True, shapes=shapes)
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            order = range(len(grads)) if step else reversed(range(len(grads)))
+            for index in order:  # forward order too: buckets still start in bucket order
+                sync.ready(index)
+            result = sync.wait()
+            for got, f in zip(result, fresh):
+                ref = mar.allreduce(f, op=op, comm=comm, algorithm=algorithm)
+                assert got.dtype == f.dtype and np.array_equal(got, ref)
+
+
+@pytest.mark.mpi
+def test_buckets_bit_identical_to_per_array_tree_on_random_data():
+    comm = MPI.COMM_WORLD
+    grads = _grads(comm, 3)
+    fresh = [g.copy() for g in grads]
+    with mar.GradSync(grads, comm, algorithm="tree", op=MPI.SUM) as sync:
+        sync.synchronize()
+    for got, f in zip(grads, fresh):
+        assert np.array_equal(got, mar.allreduce(f, comm=comm, algorithm="tree"))
+        assert_identical_across_ranks(comm, got)
+
+
+@pytest.mark.mpi
+def test_wait_refuses_unmarked_gradients():
+    grads = [np.zeros(3), np.zeros(4)]
+    with mar.GradSync(grads, MPI.COMM_WORLD) as sync:
+        sync.ready(1)
+        with pytest.raises(ValueError, match=r"\[0\] were not marked"):
+            sync.wait()
+        sync.ready(0)  # the step goes on where it was
+        assert sync.wait()[0][0] == 0
+
+
+# -- compression ------------------------------------------------------------------------------------
+
+def _mixed(comm, count, seed):
+    rng = np.random.default_rng([seed, comm.rank])
+    return (rng.standard_normal(count) * 10.0 ** rng.integers(-6, 2, count)).astype(np.float32)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree", "recursive_doubling",
+                                       "rabenseifner"])
+@pytest.mark.parametrize("op", [mar.AVG, MPI.SUM], ids=["AVG", "SUM"])
+def test_cast_allreduce_within_bound(wire, algorithm, op):
+    comm = MPI.COMM_WORLD
+    x = _mixed(comm, 1001, 0)
+    out = mar.cast_allreduce(x, wire=wire, op=op, comm=comm, algorithm=algorithm)
+    exact = _exact(comm, x, op is mar.AVG)
+    magnitudes = _exact(comm, np.abs(x))
+    bound = compression.cast_error_bound(wire, magnitudes, comm.size, op is mar.AVG)
+    error = np.abs(out.astype(np.float64) - exact)
+    assert np.all(error <= bound), float(np.max(error / bound))
+    assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_compressed_buckets_within_bound(wire):
+    comm = MPI.COMM_WORLD
+    shapes = [((30,), "float32"), ((5, 6), "float64"), ((17,), "float32")]
+    grads = [_mixed(comm, int(np.prod(s)), i).reshape(s).astype(d) for i, (s, d) in
+             enumerate(shapes)]
+    fresh = [g.copy() for g in grads]
+    with mar.GradSync(grads, comm, compression=wire, algorithm="ring", bucket_bytes=128) as sync:
+        assert sync.payload_bytes == 2 * sum(g.size for g in grads)
+        sync.synchronize()
+    for got, f in zip(grads, fresh):
+        bound = compression.cast_error_bound(wire, _exact(comm, np.abs(f)), comm.size, True)
+        assert np.all(np.abs(got - _exact(comm, f, True)) <= bound)
+        assert_identical_across_ranks(comm, got)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring", "recursive_doubling"])
+def test_topk_bound_and_error_feedback_conserves_the_sum(algorithm):
+    comm = MPI.COMM_WORLD
+    shapes = [((50,), "float64"), ((4, 5), "float64")]
+    topk = mar.TopK(0.2)
+    grads = [np.zeros(s, d) for s, d in shapes]
+    applied = [np.zeros(g.size) for g in grads]
+    exact_total = [np.zeros(g.size) for g in grads]
+    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, compression=topk) as sync:
+        assert sync.payload_bytes == sum(16 * topk.k(g.size) for g in grads)
+        for step in range(4):
+            fresh = _grads(comm, step, shapes=shapes)
+            # what each rank's accumulated gradient is before this step's selection
+            accumulated = [f.reshape(-1) + topk.residuals.get(i, 0) for i, f in enumerate(fresh)]
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            sync.synchronize()
+            for i, (got, acc, f) in enumerate(zip(grads, accumulated, fresh)):
+                k = topk.k(acc.size)
+                threshold = np.sort(np.abs(acc))[-k]
+                thresholds = comm.allreduce(threshold)
+                error = np.abs(got.reshape(-1) - _exact(comm, acc))
+                assert np.all(error <= thresholds * (1 + 1e-12)), (step, i)
+                assert_identical_across_ranks(comm, got)
+                applied[i] += got.reshape(-1)
+                exact_total[i] += _exact(comm, f.reshape(-1))
+    for i in range(len(grads)):  # nothing lost: applied + every rank's residual = exact total
+        left = _exact(comm, topk.residuals[i])
+        assert np.allclose(applied[i] + left, exact_total[i], rtol=0, atol=1e-12)
+
+
+# -- ZeRO-1 and the delayed mode --------------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring", "auto"])
+def test_sharded_update_equals_unsharded(algorithm):
+    comm = MPI.COMM_WORLD
+    shapes = [((3, 5), "float64"), ((7,), "float64"), ((1,), "float64")]
+    params = [np.arange(np.prod(s), dtype=d).reshape(s) / 4 for s, d in shapes]
+    reference = [p.copy() for p in params]
+    velocity = [np.zeros_like(p) for p in params]
+    optimizer = mar.SGD(0.25, momentum=0.5)
+    sharded = mar.ShardedSGD(params, optimizer, comm, algorithm)
+    assert sharded.velocity.size <= -(-sum(p.size for p in params) // comm.size)
+    for step in range(3):
+        grads = _grads(comm, step, integer_valued=True, shapes=shapes)  # dyadic: exact sums
+        sharded.step(grads)
+        for p, g, v in zip(reference, grads, velocity):
+            optimizer.update(p, mar.allreduce(g, op=mar.AVG, comm=comm), v)
+        for p, r in zip(params, reference):
+            assert np.array_equal(p, r)
+            assert_identical_across_ranks(comm, p)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_delayed_sync_returns_the_previous_average(algorithm):
+    comm = MPI.COMM_WORLD
+    grads = _grads(comm, 0, integer_valued=True, shapes=SHAPES[:3])
+    delayed = mar.DelayedSync(grads, comm, algorithm=algorithm, bucket_bytes=64)
+    previous = None
+    for step in range(3):
+        fresh = _grads(comm, step, integer_valued=True, shapes=SHAPES[:3])
+        result = delayed.step(fresh)
+        if previous is None:
+            assert result is None
+        else:
+            for got, ref in zip(result, previous):
+                assert np.array_equal(got, ref)
+                assert_identical_across_ranks(comm, got)
+        previous = [mar.allreduce(f, op=mar.AVG, comm=comm) for f in fresh]
+    for got, ref in zip(delayed.flush(), previous):
+        assert np.array_equal(got, ref)
+    assert delayed.flush() is None
+    delayed.free()
+
+
+# -- the example ------------------------------------------------------------------------------------
+
+def _example():
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "data_parallel.py"
+    spec = importlib.util.spec_from_file_location("data_parallel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sync", ["plain", "bucketed", "fp16", "bf16", "topk", "sharded",
+                                  "async"])
+def test_data_parallel_example(sync):
+    module = _example()
+    assert sync in module.SYNCS
+    summary = module.main(["--sync", sync, "--steps", "12", "--samples", "256", "--quiet"])
+    assert summary["ok"] and summary["identical"]
+    assert summary["relative_error"] <= module.TOLERANCE[sync]

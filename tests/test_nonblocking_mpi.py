@@ -1,0 +1,138 @@
+"""iallreduce and start(plan): results, several outstanding, any wait order, errors from wait()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_native, contribution
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import _state, nonblocking
+
+pytestmark = pytest.mark.mpi
+
+ALGORITHMS = ["native", "auto", "ring", "tree", "recursive_doubling", "rabenseifner"]
+
+
+@pytest.fixture
+def comm():
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+def test_mpi_is_initialised_with_thread_multiple():
+    assert nonblocking.threaded()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("count", [0, 1, 7, 1000])
+def test_outstanding_requests_waited_in_any_order(comm, algorithm, count):
+    inputs = [contribution(comm, count, "float64", seed=s) for s in range(3)]
+    requests = [mar.iallreduce(x, comm=comm, algorithm=algorithm) for x in inputs]
+    for i in (2, 0, 1):
+        out = requests[i].wait()
+        assert_matches_native(comm, inputs[i], out, MPI.SUM)
+        assert requests[i].wait() is out  # again: the same result
+        assert requests[i].test() and requests[i].done
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree"])
+def test_avg_in_place_and_given_recvbuf(comm, algorithm):
+    x = contribution(comm, 33, "float64")
+    out = np.empty_like(x)
+    assert mar.iallreduce(x, out, op=mar.AVG, comm=comm, algorithm=algorithm).wait() is out
+    assert_matches_native(comm, x, out, MPI.SUM, average=True)
+    buf = contribution(comm, 33, "int32")
+    ref = np.empty_like(buf)
+    comm.Allreduce(buf, ref, MPI.MAX)
+    mar.iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX, comm=comm, algorithm=algorithm).wait()
+    assert np.array_equal(buf, ref)
+
+
+def test_test_polls_until_done(comm):
+    x = contribution(comm, 100, "float64")
+    request = mar.iallreduce(x, comm=comm, algorithm="ring")
+    while not request.test():
+        pass
+    assert_matches_native(comm, x, request.wait(), MPI.SUM)
+
+
+def test_mixed_with_blocking_calls(comm):
+    x, y = contribution(comm, 50, "float64"), contribution(comm, 60, "float64", seed=1)
+    request = mar.iallreduce(x, comm=comm, algorithm="ring")
+    blocking = mar.allreduce(y, comm=comm, algorithm="recursive_doubling")
+    assert_matches_native(comm, y, blocking, MPI.SUM)
+    assert_matches_native(comm, x, request.wait(), MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree"])
+def test_persistent_plan_started_repeatedly(comm, algorithm):
+    x = contribution(comm, 20, "float64")
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm, algorithm=algorithm) as plan:
+        for round_ in range(3):
+            x[:] = contribution(comm, 20, "float64", seed=round_)
+            request = mar.start(plan)
+            assert request.wait() is out
+            assert_matches_native(comm, x, out, MPI.SUM)
+
+
+def test_a_running_plan_cannot_start_again(comm):
+    with mar.plan(np.ones(4), np.empty(4), comm=comm, algorithm="ring") as plan:
+        # a request that has not completed stands for the run in flight (no race)
+        nonblocking._RUNNING[plan] = nonblocking.Request(None, nonblocking._worker(plan.comm))
+        with pytest.raises(ValueError, match="still running"):
+            mar.start(plan)
+        del nonblocking._RUNNING[plan]
+        assert mar.start(plan).wait()[0] == comm.size
+
+
+def test_a_freed_plan_raises_from_wait(comm):
+    plan = mar.plan(np.ones(4), np.empty(4), comm=comm, algorithm="ring")
+    plan.free()
+    request = mar.start(plan)
+    for _ in range(2):  # the same exception again
+        with pytest.raises(ValueError, match="freed"):
+            request.wait()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_timeout_in_the_progress_thread_raises_from_wait(comm):
+    mar.allreduce(np.zeros(1), comm=comm)  # the communicator's set-up is collective
+    if comm.rank == 0:  # the others never make the call: rank 0's run must time out
+        request = mar.iallreduce(np.ones(8), comm=comm, algorithm="ring", check=False,
+                                 timeout=0.3)
+        with pytest.raises(mar.CollectiveTimeout, match="no answer"):
+            request.wait()
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wait_with_a_timeout_leaves_the_request_in_flight(comm):
+    x = np.full(8, float(comm.rank))
+    mar.allreduce(np.zeros(1), comm=comm)  # the communicator's set-up is collective
+    if comm.rank == 0:
+        request = mar.iallreduce(x, comm=comm, algorithm="ring", check=False)
+        with pytest.raises(mar.CollectiveTimeout, match="still in flight"):
+            request.wait(timeout=0.2)
+    comm.Barrier()  # the others call only now
+    if comm.rank != 0:
+        request = mar.iallreduce(x, comm=comm, algorithm="ring", check=False)
+    assert np.all(request.wait() == sum(range(comm.size)))
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_without_a_progress_thread_runs_happen_at_wait(comm, algorithm):
+    mar.allreduce(np.zeros(1), comm=comm)  # makes the communicator's state
+    worker = nonblocking._worker(_state.existing(comm).private)
+    worker.threaded = False
+    try:
+        inputs = [contribution(comm, 40, "float64", seed=s) for s in range(3)]
+        requests = [mar.iallreduce(x, comm=comm, algorithm=algorithm) for x in inputs]
+        requests[2].test()
+        for i in (1, 2, 0):
+            assert_matches_native(comm, inputs[i], requests[i].wait(), MPI.SUM)
+    finally:
+        worker.threaded = True
