@@ -306,8 +306,7 @@ class _Persistent(_Request):
         start = getattr(self._plan, "start", None)
         if start is not None:
             _flush(self._comm)
-            start()
-            self._request = self._plan
+            self._request = start()
         else:
             _pending(self._comm).append(self)
 

@@ -299,6 +299,24 @@ class _PlanBase:
             self._state.mark_broken(reason, list(pending), (self, *keep))
         raise CollectiveTimeout(f"{reason}; the plan is unusable now")
 
+    def start(self, timeout: float | None = None):
+        """Start a run without waiting for it; return its :class:`mpiallreduce.Request`.
+
+        The run happens in the communicator's progress thread, in start order (see
+        :func:`mpiallreduce.start`); ``wait()`` on the request, or on the plan, returns the result.
+        """
+        from .nonblocking import start
+
+        self._request = start(self, timeout)
+        return self._request
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """Wait for the run :meth:`start` began and return the result buffer."""
+        request = getattr(self, "_request", None)
+        if request is None:
+            raise ValueError("wait() on a plan that was never started; call start() first")
+        return request.wait(timeout)
+
     def free(self) -> None:
         """Release the plan's persistent requests (idempotent)."""
         if not self._freed:

@@ -136,3 +136,18 @@ def test_without_a_progress_thread_runs_happen_at_wait(comm, algorithm):
             assert_matches_native(comm, inputs[i], requests[i].wait(), MPI.SUM)
     finally:
         worker.threaded = True
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_plan_start_and_wait_methods(algorithm):
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 21, "float64")
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm, algorithm=algorithm) as p:
+        with pytest.raises(ValueError, match="never started"):
+            p.wait()
+        for _ in range(3):
+            out.fill(np.nan)
+            request = p.start()
+            assert p.wait() is out and request.wait() is out
+            assert_matches_native(comm, x, out, MPI.SUM)
