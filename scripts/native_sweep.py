@@ -16,10 +16,12 @@ native configuration, out of place and in place, ``--repeats`` times:
 
 Per size and mode it prints the strongest native configuration (lowest median time), our best
 algorithm measured in the same runs and its ratio (ours / native: below 1 is faster than the
-strongest native), and the local memory floor: copy the input in, add the peer's data, copy
-the result out, NumPy on every rank at once after a barrier (the slowest rank's median), which
-no copy-based transport can beat. Times are medians over the repeats. On a shared machine the
-numbers are noisy: rerun before believing a single row.
+strongest native), and the local memory floor: the copies and combines a bandwidth-optimal
+allreduce cannot avoid on a single-copy transport, (p-1)/p·n elements received and reduced
+(reduce-scatter) and (p-1)/p·n received (allgather), i.e. two copies and one add of
+(p-1)/p·n elements, NumPy on every rank at once after a barrier (the slowest rank's median).
+Times are medians over the repeats. On a shared machine the numbers are noisy: rerun before
+believing a single row.
 
 Exit status: 0, or the first non-zero status of a bench run.
 """
@@ -98,24 +100,24 @@ def run_bench(mpirun: str, ranks: int, sizes: str, in_place: bool, env: dict, be
 
 
 def floor_worker(sizes: list[int], repeats: int) -> None:
-    """Under mpirun: time copy in + add + copy out on every rank at once; rank 0 prints JSON."""
+    """Under mpirun: time the floor's copies and add on every rank at once; rank 0 prints JSON."""
     import numpy as np
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     result = {}
     for size in sizes:
-        count = size // 8
-        x, peer, staged, out = (np.ones(count) for _ in range(4))
+        count = max(1, (comm.size - 1) * (size // 8) // comm.size)
+        source, received, block, result_part = (np.ones(count) for _ in range(4))
         runs = max(3, min(200, (32 << 20) // size))
         samples = []
         for _ in range(max(repeats, 3)):
             comm.Barrier()
             start = MPI.Wtime()
             for _ in range(runs):
-                np.copyto(staged, x)            # our data into the transport
-                np.add(staged, peer, out=staged)  # the combine
-                np.copyto(out, staged)          # the result out of it
+                np.copyto(received, source)          # reduce-scatter: the peers' blocks arrive
+                np.add(block, received, out=block)   # and are combined into ours
+                np.copyto(result_part, source)       # allgather: the others' results arrive
             samples.append(comm.allreduce((MPI.Wtime() - start) / runs, op=MPI.MAX))
         result[size] = 1e6 * statistics.median(samples)
     if comm.rank == 0:
