@@ -1,9 +1,9 @@
 """The cross-rank agreement check (``check=True``): one small constant-size collective.
 
 Every rank contributes its signature (a bad-input flag, count, dtype, op, algorithm, root,
-parameter and topology checksums, whether a timeout is set) together with its negation, and
-one ``Allreduce(MAX)`` of those 2 x 9 int64 (144 bytes per rank, whatever the number of ranks)
-gives every rank the maximum and the minimum of every field. Where they are equal everywhere
+parameter and topology checksums, whether a timeout is set, the checksum of the tuning table
+``auto`` reads) together with its negation, and one ``Allreduce(MAX)`` of those 2 x 10 int64
+(160 bytes per rank, whatever the number of ranks) gives every rank the maximum and the minimum of every field. Where they are equal everywhere
 and no rank flagged bad input, the call goes ahead. Otherwise, and only then, the ranks
 exchange their full signatures and error messages (an ``allgather``: every rank got past the
 first collective, so it cannot hang) and raise the same exception on every rank.
@@ -29,7 +29,7 @@ from .ops import DTYPES, OP_NAMES
 
 #: field names of the signature; the first is the bad-input flag.
 FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
-          "timeout")
+          "timeout", "tuning table")
 #: signature field a rank could not determine (its own input was bad).
 UNKNOWN = -9
 
@@ -157,6 +157,8 @@ def describe(field_name: str, value: int, names: tuple[str, ...]) -> str:
         return "no topology" if value == -1 else f"a topology with checksum {value}"
     if field_name == "timeout":
         return "a timeout" if value else "no timeout"
+    if field_name == "tuning table":
+        return "no tuning table" if value == 0 else f"a tuning table with checksum {value}"
     return str(value)
 
 

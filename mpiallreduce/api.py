@@ -51,7 +51,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             ``Topology.from_comm(comm)``, computed once per communicator, which honours
             ``MPIALLREDUCE_RANKS_PER_NODE``). Its size must be the communicator's.
         check: agree on count, dtype, op, algorithm, parameters, topology and whether a timeout
-            is set across ranks first (one 144-byte ``Allreduce``), so a mismatch or bad input on
+            is set across ranks first (one 160-byte ``Allreduce``), so a mismatch or bad input on
             any rank raises the same exception everywhere instead of hanging. Pass the same
             ``check`` on every rank.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever), covering the

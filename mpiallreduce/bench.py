@@ -92,7 +92,10 @@ def parse_size(text: str) -> int:
 
 
 def parse_sizes(text: str) -> list[int]:
-    """Return the powers of two from MIN to MAX for ``"MIN:MAX"`` (or the one size ``"N"``)."""
+    """Return the powers of two from MIN to MAX for ``"MIN:MAX"`` (or the one size ``"N"``);
+    a comma list of those gives their union, sorted (``"8,64K,8M:16M"``)."""
+    if "," in text:
+        return sorted({size for part in text.split(",") for size in parse_sizes(part)})
     low, sep, high = text.partition(":")
     sizes = (parse_size(low), parse_size(high) if sep else parse_size(low))
     for size in sizes:
@@ -175,7 +178,8 @@ def build_parser(printing: bool = True) -> _Parser:
                              f"runs, as the reference (default: all)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="MIN:MAX",
                         help="message sizes in bytes per rank, every power of two from MIN to MAX; "
-                             "K, M, G suffixes are powers of 1024; one size N is N:N "
+                             "K, M, G suffixes are powers of 1024; one size N is N:N; a comma "
+                             "list (8,64K,8M:16M) takes the union "
                              f"(default: {DEFAULT_SIZES})")
     parser.add_argument("--dtype", default="float32", choices=[d.name for d in DTYPES],
                         metavar="DTYPE", help="element type, one of "

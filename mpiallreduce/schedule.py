@@ -4,6 +4,8 @@ A rank works on one buffer of ``count`` elements (for allreduce: the result buff
 as the rank's own contribution). A step holds sends and receives that may be in flight together.
 Sends read the buffer as it was when the step began; receives land after every message of the
 step has completed, in the order listed, either copied into their range or reduced with it.
+Several reduces of one step may target the same range (a k-nomial parent reducing its
+children, in the order listed); a copy shares its range with no other receive of its step.
 """
 
 from __future__ import annotations

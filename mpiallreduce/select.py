@@ -8,12 +8,43 @@ measured crossover says a schedule wins. One such crossover is measured here (RE
 and by 1.74x / 1.65x at 4 ranks, with every schedule faster than native there. Below 32 MiB the
 ratios straddle 1 and ``native`` stays. Re-measure with ``python -m mpiallreduce.bench`` on
 another machine or MPI before trusting the threshold there; ``algorithm=`` overrides it.
+
+Measured tables. ``mpirun -n N python -m mpi4py -m mpiallreduce.tune`` measures every algorithm
+and native on this machine at N ranks and writes a decision table; :func:`choose` consults the
+table for the communicator size and op class (commutative or not) and falls back to the built-in
+rule above when there is none (above 8 ranks, where nothing was measured here, the cost
+model's prediction instead: :func:`model_choice`), or the file is missing or bad (a bad file gives one
+``RuntimeWarning`` and is ignored). The file is :func:`default_path`
+(``$XDG_CACHE_HOME/mpiallreduce/tuning.json``, ``~/.cache/...`` without it) unless
+``MPIALLREDUCE_TUNING=path`` names another; ``MPIALLREDUCE_TUNING=off`` ignores every table. It
+is read once per process and path (:func:`reload` forgets it). Format::
+
+    {"format": "mpiallreduce-tuning/1",
+     "tables": [{"nranks": 2, "mpi_library": "...", "date": "...", "repeats": 5,
+                 "classes": {"commutative": [{"min_bytes": 0, "max_bytes": 65536,
+                                              "algorithm": "native"},
+                                             {"min_bytes": 65536, "max_bytes": null,
+                                              "algorithm": "ring_segmented"}],
+                             "noncommutative": [...]},
+                 "medians_us": {...}}]}
+
+Ranges are half-open ``[min_bytes, max_bytes)`` in bytes per rank, sorted and contiguous from 0,
+the last open-ended; algorithms are registered names or ``native``, and the non-commutative
+class names only order-keeping ones. Every rank must see the same file contents (a shared file
+system, or the same file copied to every node): the choice is a pure function of the arguments
+and the file, so ranks that read different files could pick different algorithms and hang.
+:func:`digest` names the contents for a cross-rank check.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
+import json
+import os
+import warnings
+import zlib
 
+from . import algorithms
 from .ops import Reducer
 
 #: bytes per rank from which ``auto`` prefers the pipelined ring to native (measured crossover).
@@ -25,11 +56,24 @@ MODULAR_RING_BYTES = 1 << 16
 MEASURED_RANKS = 8
 
 
-def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
-    """Return the algorithm name ``auto`` uses; identical on every rank for identical arguments.
+#: the environment variable that names the table file ("off": use none).
+TUNING_ENV = "MPIALLREDUCE_TUNING"
+#: the file format tag, checked on load.
+FORMAT = "mpiallreduce-tuning/1"
+OP_CLASSES = ("commutative", "noncommutative")
 
-    Never returns an algorithm that refuses the op: non-commutative ops always get ``native``.
+
+def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
+    """Return the algorithm name ``auto`` uses; identical on every rank for identical arguments
+    (and the same table file, see the module docstring).
+
+    Never returns an algorithm that refuses the op: non-commutative ops get ``native`` or,
+    from a measured table, an order-keeping algorithm.
     """
+    if nranks > 1 and nbytes > 0:
+        picked = lookup(tables(), nranks, nbytes, reducer.commutative)
+        if picked is not None:
+            return picked
     if nranks > MEASURED_RANKS:
         return model_choice(nranks, nbytes, reducer, topology)
     if nranks > 1 and nbytes >= LARGE_MESSAGE_BYTES and reducer.commutative:
@@ -51,8 +95,156 @@ def model_choice(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> s
     return _model_choice(nranks, bucket, True, topology)
 
 
-@lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
 def _model_choice(nranks: int, bucket: int, commutative: bool, topology) -> str:
     from . import model
 
     return model.choose(nranks, bucket, commutative, topology)
+
+
+def lookup(loaded: dict, nranks: int, nbytes: int, commutative: bool) -> str | None:
+    """Return the algorithm of the table for ``nranks`` and the op class at ``nbytes``, or None."""
+    ranges = loaded.get(nranks, {}).get(OP_CLASSES[0] if commutative else OP_CLASSES[1], ())
+    for low, high, name in ranges:
+        if low <= nbytes and (high is None or nbytes < high):
+            return name
+    return None
+
+
+def default_path() -> str:
+    """Return where ``tune`` writes and ``auto`` reads the table when the environment says nothing."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "mpiallreduce", "tuning.json")
+
+
+def table_path() -> str | None:
+    """Return the table file ``auto`` reads: ``$MPIALLREDUCE_TUNING``, else :func:`default_path`;
+    None when the variable is ``off``."""
+    env = os.environ.get(TUNING_ENV, "").strip()
+    if env.lower() == "off":
+        return None
+    return env or default_path()
+
+
+def tables() -> dict:
+    """Return the parsed tables of :func:`table_path` (loaded once per path; {} if none)."""
+    path = table_path()
+    return {} if path is None else _load(path)
+
+
+def reload() -> None:
+    """Forget loaded tables, so the next :func:`choose` reads the file again."""
+    _load.cache_clear()
+    _digest.cache_clear()
+
+
+def digest() -> int:
+    """Return a CRC of the table file's bytes (0 without one), read once per process and path
+    like the table itself; the agreement check compares it across ranks for ``auto``."""
+    return _digest(table_path())
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str | None) -> int:
+    if path is None:
+        return 0
+    try:
+        with open(path, "rb") as file:
+            return zlib.crc32(file.read()) & 0x7FFFFFFF
+    except OSError:
+        return 0
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        warnings.warn(f"cannot read tuning table {path}: {exc}; auto uses its built-in rule",
+                      RuntimeWarning, stacklevel=3)
+        return {}
+    try:
+        return parse(json.loads(text))
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        warnings.warn(f"ignoring tuning table {path}: {exc}; auto uses its built-in rule "
+                      f"(rerun python -m mpiallreduce.tune)", RuntimeWarning, stacklevel=3)
+        return {}
+
+
+def parse(data) -> dict[int, dict[str, tuple[tuple[int, int | None, str], ...]]]:
+    """Check a loaded table file; return nranks -> op class -> ((min, max, algorithm), ...).
+
+    Raises ValueError naming the first problem.
+    """
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} file")
+    entries = data.get("tables")
+    if not isinstance(entries, list):
+        raise ValueError("'tables' must be a list")
+    parsed = {}
+    for entry in entries:
+        nranks = entry.get("nranks") if isinstance(entry, dict) else None
+        if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
+            raise ValueError(f"every table needs an integer nranks >= 1, got {nranks!r}")
+        if nranks in parsed:
+            raise ValueError(f"two tables for nranks {nranks}")
+        classes = entry.get("classes")
+        if not isinstance(classes, dict) or set(classes) - set(OP_CLASSES):
+            raise ValueError(f"nranks {nranks}: 'classes' must map {' and/or '.join(OP_CLASSES)} "
+                             f"to ranges")
+        parsed[nranks] = {op_class: _ranges(nranks, op_class, ranges)
+                          for op_class, ranges in classes.items()}
+    return parsed
+
+
+def _ranges(nranks: int, op_class: str, ranges) -> tuple[tuple[int, int | None, str], ...]:
+    where = f"nranks {nranks}, {op_class}"
+    if not isinstance(ranges, list) or not ranges:
+        raise ValueError(f"{where}: expected a non-empty list of ranges")
+    checked, expect = [], 0
+    for item in ranges:
+        low, high, name = (item.get(k) for k in ("min_bytes", "max_bytes", "algorithm")) \
+            if isinstance(item, dict) else (None, None, None)
+        if low != expect or isinstance(low, bool):
+            raise ValueError(f"{where}: ranges must be contiguous from 0; expected min_bytes "
+                             f"{expect}, got {low!r}")
+        if high is not None and (isinstance(high, bool) or not isinstance(high, int)
+                                 or high <= low):
+            raise ValueError(f"{where}: max_bytes {high!r} must be an integer above {low} or null")
+        if name != "native" and name not in algorithms.REGISTRY:
+            raise ValueError(f"{where}: unknown algorithm {name!r}")
+        if op_class == "noncommutative" and name != "native" and \
+                algorithms.REGISTRY[name].commutative_only:
+            raise ValueError(f"{where}: {name!r} reorders operands")
+        checked.append((low, high, name))
+        expect = high
+        if high is None:
+            break
+    if expect is not None or len(checked) != len(ranges):
+        raise ValueError(f"{where}: the last range must have max_bytes null, and only the last")
+    return tuple(checked)
+
+
+def write_table(path: str, table: dict) -> None:
+    """Write ``table`` (one communicator size) into the file at ``path``, replacing that size's
+    table and keeping the others; atomic (a reader sees the old file or the new one)."""
+    parse({"format": FORMAT, "tables": [table]})  # never write what choose would refuse
+    tables_ = []
+    try:
+        with open(path, encoding="utf-8") as file:
+            old = json.load(file)
+        parse(old)
+        tables_ = [t for t in old["tables"] if t["nranks"] != table["nranks"]]
+    except (OSError, ValueError):
+        pass  # no file, or one choose ignores anyway: start afresh
+    tables_ = sorted([*tables_, table], key=lambda t: t["nranks"])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as file:
+        json.dump({"format": FORMAT, "tables": tables_}, file, indent=1)
+        file.write("\n")
+    os.replace(temporary, path)
+    reload()

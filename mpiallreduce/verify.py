@@ -219,17 +219,21 @@ def verify(schedule: Schedule,
                 outgoing.setdefault((rank, send.peer), []).append(
                     [(s - send.start, e - send.start, c) for s, e, c in data])
         for rank, step in enumerate(steps):
-            written: list[tuple[int, int]] = []
+            written: list[tuple[int, int, str]] = []
             for recv in step.recvs if step else ():
                 where = f"rank {rank}, step {index}"
                 if not 0 <= recv.start <= recv.stop <= count:
                     raise ScheduleError(f"{where}: receive range [{recv.start}, {recv.stop}) "
                                         f"outside [0, {count})")
-                for start, stop in written:
-                    if recv.start < stop and start < recv.stop:
+                # Reduces of one step may share a range (a k-nomial parent's children): each
+                # lands in scratch and they combine in the order listed. A copy may share none.
+                for start, stop, action in written:
+                    both_reduce = action == REDUCE and recv.action == REDUCE
+                    if recv.start < stop and start < recv.stop and not both_reduce:
                         raise ScheduleError(f"{where}: receives into [{recv.start}, {recv.stop}) "
-                                            f"overlap [{start}, {stop}) of the same step")
-                written.append((recv.start, recv.stop))
+                                            f"overlap [{start}, {stop}) of the same step "
+                                            f"(only reduces may share a range)")
+                written.append((recv.start, recv.stop, recv.action))
                 data = outgoing[(recv.peer, rank)].pop(0)
                 shifted = [(s + recv.start, e + recv.start, c) for s, e, c in data]
                 if recv.action == COPY:

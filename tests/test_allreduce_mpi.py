@@ -132,9 +132,10 @@ def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
             ref = np.empty_like(x)
             comm.Allreduce(x, ref, op=op)
             if needs_commutative:
+                keep = [name for name, a in mar.algorithms.REGISTRY.items()
+                        if not a.commutative_only]
                 with pytest.raises(ValueError, match="commutative op; for a non-commutative op "
-                                                     "use one of tree, recursive_doubling, "
-                                                     "rabenseifner, hierarchical, native"):
+                                                     f"use one of {', '.join(keep)}, native"):
                     mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
             else:
                 out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
@@ -240,3 +241,32 @@ def test_auto_above_the_crossover_runs_the_pipelined_ring_and_matches_native():
         assert_matches_native(comm, x, p.run(), MPI.SUM)
     finally:
         p.free()
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
+def test_knomial_every_radix_on_every_communicator_kind(comm, k, in_place):
+    """Each radix, awkward counts, a non-commutative op exact in rank order."""
+    op = MPI.Op.Create(affine_compose, commute=False)
+    try:
+        for count in sorted({1, comm.size - 1, comm.size + 1, 97}):
+            x = contribution(comm, count, "float64")
+            if in_place:
+                out = x.copy()
+                mar.allreduce(MPI.IN_PLACE, out, comm=comm, algorithm="knomial", k=k)
+            else:
+                out = mar.allreduce(x, comm=comm, algorithm="knomial", k=k)
+            assert_matches_native(comm, x, out, MPI.SUM)
+            maps = affine_maps(comm, count)
+            ref = np.empty_like(maps)
+            comm.Allreduce(maps, ref, op=op)
+            out = mar.allreduce(maps, op=op, comm=comm, algorithm="knomial", k=k)
+            assert np.array_equal(out, ref)
+            assert_identical_across_ranks(comm, out)
+    finally:
+        op.Free()
+
+
+def test_knomial_bad_radix_is_refused_before_any_message():
+    with pytest.raises(ValueError, match="integer radix k >= 2"):
+        mar.allreduce(np.ones(4), comm=MPI.COMM_WORLD, algorithm="knomial", k=1)

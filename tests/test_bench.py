@@ -36,6 +36,8 @@ COLUMNS = ("size", "algorithm", "avg", "min", "max", "algbw", "busbw", "vs_nativ
     ("4k:16KiB", [4096, 8192, 16384]),
     ("1M:2M", [2**20, 2**21]),
     ("1G:1G", [2**30]),
+    ("8,64K,8M", [8, 2**16, 2**23]),
+    ("8:32,16,1K", [8, 16, 32, 1024]),
 ])
 def test_sizes_are_powers_of_two_from_min_to_max(text, sizes):
     assert bench.parse_sizes(text) == sizes
@@ -46,7 +48,8 @@ def test_default_sizes_run_from_8_bytes_to_16_mib():
     assert sizes[0] == 8 and sizes[-1] == 16 * 2**20 and len(sizes) == 22
 
 
-@pytest.mark.parametrize("text", ["7:64", "8:100", "0:8", "64:8", "8:16Q", "", "x", "8:", "-8:8"])
+@pytest.mark.parametrize("text", ["7:64", "8:100", "0:8", "64:8", "8:16Q", "", "x", "8:", "-8:8", "8,,16",
+                                  "8,100"])
 def test_bad_sizes_raise_usage_error(text):
     with pytest.raises(bench.UsageError, match="size"):
         bench.parse_sizes(text)

@@ -85,6 +85,6 @@ def build(name: str, nranks: int, count: int, topology=None, collective: str = "
 
 
 # Importing the modules fills REGISTRY (hierarchical and cascade look flat ones up by name).
-from . import ring, ring_segmented, tree, recursive_doubling, rabenseifner  # noqa: E402,F401,I001
+from . import ring, ring_segmented, tree, knomial, recursive_doubling, rabenseifner  # noqa: E402,F401,I001
 from . import collectives  # noqa: E402,F401
 from . import cascade, hierarchical  # noqa: E402,F401

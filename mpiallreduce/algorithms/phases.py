@@ -157,6 +157,67 @@ def doubling_allgather(vrank: int | None, nranks: int, span: Span, keep_order: b
     return steps
 
 
+def knomial_rounds(nranks: int, radix: int) -> int:
+    """Return ⌈log_radix nranks⌉, the depth of a ``radix``-nomial tree over ``nranks`` ranks."""
+    depth, reach = 0, 1
+    while reach < nranks:
+        depth, reach = depth + 1, reach * radix
+    return depth
+
+
+def _distances(nranks: int, radix: int) -> list[int]:
+    """Return the distances 1, radix, radix², ... of a ``radix``-nomial tree's rounds."""
+    return [radix ** t for t in range(knomial_rounds(nranks, radix))]
+
+
+def knomial_reduce(rank: int, nranks: int, count: int, radix: int = 2) -> list[Step]:
+    """Return the ⌈log_radix p⌉ steps of a ``radix``-nomial-tree reduce of the whole vector to rank 0.
+
+    In round ``mask`` (1, radix, radix², ...) a rank whose digit at ``mask`` is ``j`` > 0 (and
+    whose lower digits are 0) sends its partial result, ranks ``[rank, rank + mask)``, to
+    ``rank - j·mask``; a rank whose lower digits are all 0 receives from its up to radix-1
+    children ``rank + j·mask`` in one step and appends them in order on the right: ``local ∘
+    child 1 ∘ child 2 ∘ ...``, so rank order is kept. ``radix=2`` is the binomial tree.
+    """
+    steps = []
+    for mask in _distances(nranks, radix):
+        digit, below = divmod(rank % (radix * mask), mask)
+        if below:
+            steps.append(Step())
+        elif digit:
+            steps.append(step([Send(rank - digit * mask, 0, count)]))
+        else:
+            children = range(rank + mask, min(rank + radix * mask, nranks), mask)
+            steps.append(step([], [Recv(child, 0, count, REDUCE, LOCAL_FIRST) for child in children]))
+    return steps
+
+
+def knomial_bcast(rank: int, nranks: int, root: int, span: Span, radix: int = 2) -> list[Step]:
+    """Return the ⌈log_radix p⌉ steps of a ``radix``-nomial-tree broadcast (or scatter) from ``root``.
+
+    Ranks are taken relative to the root (``vrank = rank - root mod p``). In round ``mask``
+    (largest first) a vrank that has its data (its digits up to ``mask`` are 0) sends to each
+    child ``vrank + j·mask``, j = 1..radix-1, the range ``span(child, end of the child's
+    subtree)``: the whole vector for a broadcast, the subtree's blocks for a scatter.
+    ``radix=2`` is the binomial tree.
+    """
+    vrank = (rank - root) % nranks
+    real = lambda v: (v + root) % nranks  # noqa: E731
+    subtree = lambda child, mask: span(child, min(child + mask, nranks))  # noqa: E731
+    steps = []
+    for mask in reversed(_distances(nranks, radix)):
+        digit, below = divmod(vrank % (radix * mask), mask)
+        if below:
+            steps.append(Step())
+        elif digit:
+            parent = vrank - digit * mask
+            steps.append(step([], [Recv(real(parent), *subtree(vrank, mask), COPY)]))
+        else:
+            children = range(vrank + mask, min(vrank + radix * mask, nranks), mask)
+            steps.append(step([Send(real(child), *subtree(child, mask)) for child in children]))
+    return steps
+
+
 def binomial_reduce(rank: int, nranks: int, count: int) -> list[Step]:
     """Return the ⌈lg p⌉ steps of a binomial-tree reduce of the whole vector to rank 0.
 
@@ -164,16 +225,7 @@ def binomial_reduce(rank: int, nranks: int, count: int) -> list[Step]:
     ``[rank, rank + mask)``) to ``rank - mask``, which appends it on the right: ``local ∘
     received``, so rank order is kept.
     """
-    steps = []
-    for t in range(rounds(nranks)):
-        mask = 1 << t
-        if rank % (2 * mask) == mask:
-            steps.append(step([Send(rank - mask, 0, count)]))
-        elif rank % (2 * mask) == 0 and rank + mask < nranks:
-            steps.append(step([], [Recv(rank + mask, 0, count, REDUCE, LOCAL_FIRST)]))
-        else:
-            steps.append(Step())
-    return steps
+    return knomial_reduce(rank, nranks, count, radix=2)
 
 
 def binomial_bcast(rank: int, nranks: int, root: int, span: Span) -> list[Step]:
@@ -184,17 +236,4 @@ def binomial_bcast(rank: int, nranks: int, root: int, span: Span) -> list[Step]:
     ``span(vrank + mask, end of that child's subtree)``: the whole vector for a broadcast, the
     child subtree's blocks for a scatter.
     """
-    vrank = (rank - root) % nranks
-    steps = []
-    for t in reversed(range(rounds(nranks))):
-        mask = 1 << t
-        if vrank % (2 * mask) == 0 and vrank + mask < nranks:
-            child = vrank + mask
-            subtree = span(child, min(child + mask, nranks))
-            steps.append(step([Send((child + root) % nranks, *subtree)]))
-        elif vrank % (2 * mask) == mask:
-            subtree = span(vrank, min(vrank + mask, nranks))
-            steps.append(step([], [Recv((vrank - mask + root) % nranks, *subtree, COPY)]))
-        else:
-            steps.append(Step())
-    return steps
+    return knomial_bcast(rank, nranks, root, span, radix=2)

@@ -1,0 +1,219 @@
+"""Measure every algorithm and native on this machine and write the decision table ``auto`` reads.
+
+    mpirun -n N python -m mpi4py -m mpiallreduce.tune [--sizes 8:64M] [--repeats 5] [--output PATH]
+
+For every message size (powers of two) and op class, every rank builds one plan per candidate
+(every registered algorithm that accepts the op class, and ``native``), then runs them
+*interleaved*: ``repeats`` rounds, each timing a batch of runs of every candidate in turn (the
+order rotated each round), so a burst of load on a shared machine hits every candidate alike. A
+batch's time is the slowest rank's mean; a candidate's time is the median over rounds. The
+fastest candidate at each size wins; consecutive sizes with the same winner merge into one
+range. Op classes: ``commutative`` is float64 SUM; ``noncommutative`` is a user op declared
+non-commutative (an elementwise add through ``MPI.Op.Create``, so native and the schedules pay
+the same user-op call), with only the order-keeping algorithms as candidates.
+
+Rank 0 writes the table (JSON, see :mod:`mpiallreduce.select` for the format) to ``--output``,
+``$MPIALLREDUCE_TUNING`` or :func:`mpiallreduce.select.default_path` (in that order), replacing
+the table of the same communicator size and keeping the others, so one file holds one table per
+size. Every rank that calls ``auto`` must read the same file (see :mod:`mpiallreduce.select`).
+
+``--compare LABEL=ALGORITHM[:NAME=VALUE,...] ...`` measures the given candidates the same way and
+prints their medians instead of writing a table (how the defaults of ``knomial``'s ``k`` and
+``ring_segmented``'s segment were chosen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiallreduce as mar
+
+from . import algorithms, select
+from .bench import UsageError, human, parse_sizes
+
+DEFAULT_SIZES = "8:64M"
+DEFAULT_REPEATS = 5
+#: a batch moves about this many bytes per rank (at least MIN_BATCH, at most MAX_BATCH runs).
+BATCH_BYTES, MIN_BATCH, MAX_BATCH = 32 << 20, 3, 200
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One thing to time: an algorithm name (or "native") and its parameters."""
+
+    label: str
+    algorithm: str
+    params: dict = field(default_factory=dict)
+
+
+def batch(size: int) -> int:
+    """Return the runs per timed batch for ``size`` bytes."""
+    return max(MIN_BATCH, min(MAX_BATCH, BATCH_BYTES // max(size, 1)))
+
+
+def _add(inbuf, inoutbuf, datatype):
+    # elementwise float64 add, declared non-commutative: the user-op path of every candidate
+    a = np.frombuffer(inbuf, dtype=np.float64)
+    b = np.frombuffer(inoutbuf, dtype=np.float64)
+    np.add(a, b, out=b)
+
+
+def candidates(op_class: str) -> list[Candidate]:
+    """Return every registered algorithm that accepts ``op_class``, and native, with defaults."""
+    names = [name for name, algorithm in algorithms.REGISTRY.items()
+             if op_class == "commutative" or not algorithm.commutative_only]
+    return [Candidate(name, name) for name in ["native", *names]]
+
+
+def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
+            in_place: bool = False) -> dict[str, float]:
+    """Return each candidate's median seconds per call at ``size`` bytes (float64), the same on
+    every rank; candidates that refuse the case (ValueError from ``plan``) are left out."""
+    count = size // 8
+    x = np.random.default_rng([comm.rank, count]).integers(-8, 9, count).astype(np.float64)
+    recv = x.copy()
+    send = MPI.IN_PLACE if in_place else x
+    plans = {}
+    for cand in cands:
+        try:
+            plans[cand.label] = mar.plan(send, recv, op=op, comm=comm, algorithm=cand.algorithm,
+                                         **cand.params)
+        except ValueError:
+            continue
+    runs = batch(size)
+    times: dict[str, list[float]] = {label: [] for label in plans}
+    labels = list(plans)
+    try:
+        for label in labels:  # warm-up: page in buffers and scratch, make the connections
+            plans[label].run()
+        for round_ in range(repeats):
+            shift = round_ % max(len(labels), 1)
+            for label in labels[shift:] + labels[:shift]:
+                run = plans[label].run
+                comm.Barrier()
+                start = MPI.Wtime()
+                for _ in range(runs):
+                    run()
+                mean = (MPI.Wtime() - start) / runs
+                times[label].append(comm.allreduce(mean, op=MPI.MAX))
+    finally:
+        for plan in plans.values():
+            plan.free()
+    return {label: statistics.median(samples) for label, samples in times.items()}
+
+
+def decide(sizes: list[int], medians: list[dict[str, float]]) -> list[dict]:
+    """Return the ranges of the decision table: the fastest at each size, equal neighbours merged.
+
+    The winner at size ``s`` covers ``[s, next measured size)``; the first range starts at 0
+    and the last has no end (``max_bytes`` None).
+    """
+    ranges: list[dict] = []
+    for index, (size, times) in enumerate(zip(sizes, medians)):
+        best = min(times, key=lambda label: (times[label], label))
+        if ranges and ranges[-1]["algorithm"] == best:
+            ranges[-1]["max_bytes"] = None
+        else:
+            if ranges:
+                ranges[-1]["max_bytes"] = size
+            ranges.append({"min_bytes": 0 if index == 0 else size, "max_bytes": None,
+                           "algorithm": best})
+    return ranges
+
+
+def tune(comm, sizes: list[int], repeats: int, out=None) -> dict:
+    """Measure both op classes over ``sizes``; return this communicator size's table."""
+    out = sys.stdout if out is None else out
+    classes, measured = {}, {}
+    user_op = MPI.Op.Create(_add, commute=False)
+    try:
+        for op_class, op in (("commutative", MPI.SUM), ("noncommutative", user_op)):
+            medians = []
+            for size in sizes:
+                times = measure(comm, candidates(op_class), size, repeats, op=op)
+                medians.append(times)
+                if comm.rank == 0:
+                    ranked = sorted(times, key=times.get)
+                    print(f"# {op_class:>14} {human(size):>5}: "
+                          + ", ".join(f"{label} {1e6 * times[label]:.1f}us" for label in ranked),
+                          file=out, flush=True)
+            classes[op_class] = decide(sizes, medians)
+            measured[op_class] = {str(size): {label: round(1e6 * t, 3) for label, t in m.items()}
+                                  for size, m in zip(sizes, medians)}
+    finally:
+        user_op.Free()
+    return {
+        "nranks": comm.size,
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repeats": repeats,
+        "classes": classes,
+        "medians_us": measured,
+    }
+
+
+def _parse_candidate(text: str) -> Candidate:
+    """``LABEL=ALGORITHM[:NAME=VALUE,...]`` (integer values) -> Candidate."""
+    label, _, spec = text.partition("=")
+    name, _, params = spec.partition(":")
+    if not label or name not in mar.ALGORITHMS or name == "auto":
+        raise SystemExit(f"--compare {text!r}: expected LABEL=ALGORITHM[:NAME=VALUE,...] with an "
+                         f"algorithm of {', '.join(a for a in mar.ALGORITHMS if a != 'auto')}")
+    values = {}
+    for item in filter(None, params.split(",")):
+        key, _, value = item.partition("=")
+        values[key] = int(value)
+    return Candidate(label, name, values)
+
+
+def main(argv=None, comm=None, out=None) -> int:
+    """Measure and write the table (or compare candidates); return the exit status."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    out = sys.stdout if out is None else out
+    parser = argparse.ArgumentParser(prog="python -m mpiallreduce.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="MIN:MAX",
+                        help=f"bytes per rank, every power of two (default: {DEFAULT_SIZES})")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
+                        help=f"interleaved rounds; the median is kept (default: {DEFAULT_REPEATS})")
+    parser.add_argument("--output", metavar="PATH", default=None,
+                        help="table file (default: $MPIALLREDUCE_TUNING, else "
+                             f"{select.default_path()})")
+    parser.add_argument("--compare", nargs="+", metavar="LABEL=ALGORITHM[:K=V,...]",
+                        help="time these candidates and print medians; write no table")
+    parser.add_argument("--in-place", action="store_true", help="with --compare: in place")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [s for s in parse_sizes(args.sizes) if s >= 8]  # float64 elements
+    except UsageError as exc:
+        parser.error(str(exc))
+    if args.repeats < 1 or not sizes:
+        parser.error("--repeats must be >= 1 and --sizes must include 8 bytes or more")
+    if args.compare:
+        cands = [_parse_candidate(text) for text in args.compare]
+        for size in sizes:
+            times = measure(comm, cands, size, args.repeats, in_place=args.in_place)
+            if comm.rank == 0:
+                best = min(times.values())
+                print(f"{human(size):>5} " + "  ".join(
+                    f"{c.label} {1e6 * times[c.label]:.1f}us ({times[c.label] / best:.2f})"
+                    for c in cands if c.label in times), file=out, flush=True)
+        return 0
+    table = tune(comm, sizes, args.repeats, out)
+    path = args.output or select.table_path() or select.default_path()
+    if comm.rank == 0:
+        select.write_table(path, table)
+        print(f"# wrote the table for {comm.size} rank(s) to {path}", file=out, flush=True)
+    comm.Barrier()  # the file is complete before any rank returns
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
