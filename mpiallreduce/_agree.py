@@ -3,8 +3,9 @@
 Every rank contributes its signature (a bad-input flag, count, dtype, op, algorithm, root,
 parameter and topology checksums, whether a timeout is set, the checksum of the tuning table
 ``auto`` reads) together with its negation, and one ``Allreduce(MAX)`` of those 2 x 10 int64
-(160 bytes per rank, whatever the number of ranks) gives every rank the maximum and the minimum of every field. Where they are equal everywhere
-and no rank flagged bad input, the call goes ahead. Otherwise, and only then, the ranks
+(160 bytes per rank, whatever the number of ranks) gives every rank the maximum and the
+minimum of every field. Where they are equal everywhere and no rank flagged bad input, the
+call goes ahead. Otherwise, and only then, the ranks
 exchange their full signatures and error messages (an ``allgather``: every rank got past the
 first collective, so it cannot hang) and raise the same exception on every rank.
 
