@@ -132,23 +132,24 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
 class CallEntry:
     """A bound one-shot allreduce, kept for the next call with the same objects.
 
-    Holds the objects of the call (so their ``id`` and memory stay theirs), the shape and dtype
-    they had, the plan, and the call's signature packed for the agreement check (with and
+    Holds the objects of the call (so their ``id`` and memory stay theirs), the dtype they had
+    (a plan reads its arrays as flat memory: a new shape of the same array changes nothing), the
+    plan, and the call's signature packed for the agreement check (with and
     without a timeout). ``direct(*args)`` is the native call itself, with the MPI datatype
     given so that mpi4py need not infer it, when nothing else is needed (no AVG division, one
     piece); else None and the plan runs.
     """
 
-    __slots__ = ("plan", "state", "handle", "objects", "shape", "dtype", "send_shape",
+    __slots__ = ("plan", "state", "objects", "algorithm", "params", "dtype", "in_place",
                  "signatures", "nbytes", "direct", "args")
 
     def __init__(self, call: Call, plan, state: CommState, objects: tuple):
         self.plan = plan
         self.state = state
-        self.handle = call.comm.handle
         self.objects = objects  # comm, sendbuf, recvbuf, op, topology as passed
-        self.shape, self.dtype = call.recv.shape, call.recv.dtype
-        self.send_shape = None if call.send is None else call.send.shape
+        self.algorithm, self.params = call.algorithm, call.params  # as requested
+        self.dtype = call.recv.dtype
+        self.in_place = call.send is None
         self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes

@@ -56,6 +56,9 @@ SCRATCH_BYTES = _env_int("MPIALLREDUCE_SCRATCH_BYTES", 64 << 20)
 #: every cached one-shot plan of every communicator, by call key (see :class:`CallCache`): one
 #: dictionary lookup finds a repeated call's plan, its communicator state included.
 CALLS: dict = {}
+#: the entry last bound to each recvbuf, by ``id(recvbuf)``: a repeated call finds its plan here
+#: by comparing objects, without building and hashing the full key.
+LAST: dict = {}
 
 
 class CallCache:
@@ -85,6 +88,7 @@ class CallCache:
             old.free()
         self.entries[key] = entry
         CALLS[key] = entry
+        LAST[key[2]] = entry
         self.nbytes += entry.nbytes
         while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
             self._drop(*self.entries.popitem(last=False))
@@ -94,6 +98,8 @@ class CallCache:
         self.nbytes -= entry.nbytes
         if CALLS.get(key) is entry:
             del CALLS[key]
+        if LAST.get(key[2]) is entry:
+            del LAST[key[2]]
         entry.free()
 
     def clear(self) -> None:

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from . import _plans
 from ._agree import prepare
 from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
-from ._state import CALLS
+from ._state import CALLS, LAST
 from ._state import state as comm_state
 from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .nonblocking import iallreduce, start
@@ -66,17 +66,22 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     if comm is None:
         comm = _WORLD
     # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
-    key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
-           tuple(params.items()) if params else ())
-    try:
-        entry = CALLS.get(key)
-    except TypeError:  # a parameter value that cannot be hashed: no caching
-        entry = key = None
-    # the entry holds the objects of its key alive, so equal ids are the same objects
-    if entry is not None and comm.handle == entry.handle and not entry.state.broken \
-            and recvbuf.shape == entry.shape and recvbuf.dtype is entry.dtype \
-            and (entry.send_shape is None or (sendbuf.shape == entry.send_shape
-                                              and sendbuf.dtype is entry.dtype)) \
+    key = None
+    entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
+    if entry is None or entry.objects[1] is not sendbuf or entry.objects[3] is not op \
+            or entry.objects[0] is not comm or entry.algorithm != algorithm \
+            or entry.objects[4] is not topology or entry.params != params:
+        key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
+               tuple(params.items()) if params else ())
+        try:
+            entry = CALLS.get(key)
+        except TypeError:  # a parameter value that cannot be hashed: no caching
+            entry = key = None
+    # The entry holds the objects of its key alive, so equal ids are the same objects. Freeing
+    # the communicator or a timeout on it drops its entries (CommState), and a plan reads its
+    # arrays as flat memory, so only an element type assigned since (x.dtype = ...) rebinds.
+    if entry is not None and recvbuf.dtype is entry.dtype \
+            and (entry.in_place or sendbuf.dtype is entry.dtype) \
             and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
         if check:
             entry.agree(timeout)
@@ -88,6 +93,9 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     if call.recv.size == 0:
         return call.recv
+    if key is None and entry is not None:  # LAST's entry, with a new dtype: bind again
+        key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
+               tuple(params.items()) if params else ())
     cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
     return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
                            cache, timeout)

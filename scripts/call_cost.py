@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["8", "64K", "8M"])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--algorithms", default="native,recursive_doubling")
+    parser.add_argument("--algorithms", default="native,auto,recursive_doubling")
     parser.add_argument("--iterations", type=int, default=None)
     args = parser.parse_args(argv)
     if args.repeat < 1:

@@ -417,3 +417,22 @@ def test_outsized_scratch_is_not_kept(comm, monkeypatch):
     assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="ring"), MPI.SUM)
     state = _state.existing(comm)
     assert all(buf.nbytes <= 1000 for buf in state.scratch.values())
+
+
+def test_one_result_buffer_shared_by_several_calls(comm):
+    """The last plan bound to a recvbuf is found by comparing objects; other calls into the same
+    buffer (another op, input, algorithm or communicator) must still get their own plans."""
+    x = contribution(comm, 12, "float64")
+    y = contribution(comm, 12, "float64", seed=5)
+    out = np.empty_like(x)
+    other = MPI.COMM_WORLD.Dup()
+    for _ in range(2):
+        for send, op, algorithm, on in ((x, MPI.SUM, "auto", comm), (x, MPI.MAX, "auto", comm),
+                                        (y, MPI.SUM, "auto", comm), (x, MPI.SUM, "ring", comm),
+                                        (x, MPI.SUM, "auto", other)):
+            mar.allreduce(send, out, op=op, comm=on, algorithm=algorithm)
+            assert_matches_native(on, send, out, op)
+        mar.allreduce(x, out, comm=comm, algorithm="ring_segmented", segment_bytes=16)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    assert _entries(comm) == 5
+    other.Free()
