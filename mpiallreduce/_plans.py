@@ -140,11 +140,12 @@ class CallEntry:
     piece); else None and the plan runs.
     """
 
-    __slots__ = ("plan", "state", "objects", "algorithm", "params", "dtype", "in_place",
+    __slots__ = ("plan", "run", "state", "objects", "algorithm", "params", "dtype", "in_place",
                  "signatures", "nbytes", "direct", "args")
 
     def __init__(self, call: Call, plan, state: CommState, objects: tuple):
         self.plan = plan
+        self.run = plan.run
         self.state = state
         self.objects = objects  # comm, sendbuf, recvbuf, op, topology as passed
         self.algorithm, self.params = call.algorithm, call.params  # as requested

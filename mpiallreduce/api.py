@@ -88,7 +88,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         if timeout is None and entry.direct is not None:
             entry.direct(*entry.args)
             return recvbuf
-        return entry.plan.run(timeout)
+        return entry.run(timeout)
     call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     if call.recv.size == 0:

@@ -377,6 +377,9 @@ class Plan(_PlanBase):
         self._steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
                                   defer[position], written)
                        for position, (index, step) in enumerate(_nonempty(steps))]
+        # per step: (before, requests or None to post afresh, combines, defer, the bound step)
+        self._program = tuple((bound.before, bound.requests if persistent else None,
+                               bound.combines, bound.defer, bound) for bound in self._steps)
         count = self._result.size
         self._first = tuple(partial(np.copyto, destination, source)
                             for source, destination in self._layout.load)
@@ -452,30 +455,35 @@ class Plan(_PlanBase):
                 passes, raise :class:`CollectiveTimeout`; the plan and its communicator are
                 unusable afterwards.
         """
-        timeout, deadline = self._start(timeout)
+        state = self._state
+        if timeout is None and self.timeout is None and not self._freed and not self._broken \
+                and (state is None or not state.broken):
+            deadline = None  # the common case, checked inline: nothing refused, no deadline
+        else:
+            timeout, deadline = self._start(timeout)
         for call in self._first:
             call()
         pending = ()  # combines of a step that wait until the next step's messages are posted
-        persistent = self._persistent
-        for bound in self._steps:
-            for call in bound.before:
+        startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
+        # one flat tuple per step, bound at plan time (see _flatten)
+        for before, requests, combines, defer, bound in self._program:
+            for call in before:
                 call()
-            if persistent:
-                requests = bound.requests
-                MPI.Prequest.Startall(requests)
-            else:
+            if requests is None:
                 requests = self._post(bound)
+            else:
+                startall(requests)
             for call in pending:  # overlaps this step's transfers
                 call()
             if deadline is None:
-                MPI.Request.Waitall(requests)
+                waitall(requests)
             elif not poll(requests, deadline):
                 self._expire(requests, bound, timeout)
-            if bound.defer:
-                pending = bound.combines
+            if defer:
+                pending = combines
             else:
                 pending = ()
-                for call in bound.combines:
+                for call in combines:
                     call()
         for call in pending:
             call()
