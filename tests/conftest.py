@@ -162,3 +162,17 @@ def affine_maps(comm, count: int, seed: int = 0) -> np.ndarray:
     a = rng.integers(1, 2**32, count, dtype=np.uint64)
     b = rng.integers(0, 2**32, count, dtype=np.uint64)
     return (a << np.uint64(32)) | b
+
+
+class DLPackOnly:
+    """A CPU DLPack producer that is not a NumPy array and offers only DLPack (as a torch CPU
+    tensor is); it shares the wrapped array's memory."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()

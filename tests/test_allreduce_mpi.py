@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import (
+    DLPackOnly,
     affine_compose,
     affine_maps,
     assert_identical_across_ranks,
@@ -178,16 +179,6 @@ def test_buffer_protocol_and_dlpack_inputs():
     x = array.array("d", [float(comm.rank)] * 5)
     out = mar.allreduce(x, algorithm="ring", comm=comm)
     assert out.tolist() == [float(sum(range(comm.size)))] * 5
-
-    class DLPackOnly:  # a CPU tensor that is not an ndarray and offers only DLPack
-        def __init__(self, array):
-            self._array = array
-
-        def __dlpack__(self, **kwargs):
-            return self._array.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._array.__dlpack_device__()
 
     y = DLPackOnly(np.full(4, comm.rank + 1, dtype=np.int32))
     out = np.zeros(4, dtype=np.int32)

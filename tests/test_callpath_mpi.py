@@ -222,47 +222,48 @@ def test_explicit_plans_take_distinct_slots(comm):
 
 # -- timeouts cover the set-up ---------------------------------------------------------------------------
 
-@pytest.mark.mpi(min_size=2)
-def test_the_first_call_on_a_communicator_times_out_when_a_rank_is_missing():
-    """Rank 0 never calls: the others time out while duplicating the communicator (Idup)."""
+def _rank_0_skips(comm, call, expected: str, join) -> None:
+    """Rank 0 never makes ``call``; the others must raise CollectiveTimeout matching ``expected``
+    and refuse the communicator afterwards. Then rank 0 joins what they abandoned (``join``)
+    and they complete their stale requests, so the communicator can be freed cleanly."""
     world = MPI.COMM_WORLD
-    comm = world.Dup()
-    x = np.ones(3)
     if comm.rank != 0:
-        with pytest.raises(mar.CollectiveTimeout, match="setting up the communicator "
-                                                        r"\(MPI_Comm_idup\) did not complete"):
-            mar.allreduce(x, comm=comm, timeout=TIMEOUT)
+        with pytest.raises(mar.CollectiveTimeout, match=expected):
+            call()
         with pytest.raises(ValueError, match="an earlier collective on this communicator"):
-            mar.allreduce(x, comm=comm, timeout=TIMEOUT)
+            mar.allreduce(np.ones(3), comm=comm, timeout=TIMEOUT)
     world.Barrier()
     if comm.rank == 0:
-        # join the duplicate the others abandoned, so that their request completes
-        dup, request = comm.Idup()
-        request.Wait()
-        dup.Free()
+        join()
     else:
         MPI.Request.Waitall(_state.existing(comm).stale)
     world.Barrier()
     comm.Free()
 
 
+def _join_idup(comm) -> None:
+    dup, request = comm.Idup()
+    request.Wait()
+    dup.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_first_call_on_a_communicator_times_out_when_a_rank_is_missing():
+    """The others time out while duplicating the communicator (Idup)."""
+    comm = MPI.COMM_WORLD.Dup()
+    _rank_0_skips(comm, lambda: mar.allreduce(np.ones(3), comm=comm, timeout=TIMEOUT),
+                  r"setting up the communicator \(MPI_Comm_idup\) did not complete",
+                  lambda: _join_idup(comm))
+
+
 @pytest.mark.mpi(min_size=2)
 def test_topology_discovery_times_out_when_a_rank_is_missing():
-    world = MPI.COMM_WORLD
-    comm = world.Dup()
-    x = np.ones(3)
-    mar.allreduce(x, np.empty(3), comm=comm, algorithm="ring")  # the state exists, no topology
-    if comm.rank != 0:
-        with pytest.raises(mar.CollectiveTimeout, match="topology discovery did not complete"):
-            mar.allreduce(x, comm=comm, algorithm="hierarchical", check=False, timeout=TIMEOUT)
-    world.Barrier()
-    state = _state.existing(comm)
-    if comm.rank == 0:
-        state.private.Ibarrier().Wait()
-    else:
-        MPI.Request.Waitall(state.stale)
-    world.Barrier()
-    comm.Free()
+    comm = MPI.COMM_WORLD.Dup()
+    mar.allreduce(np.ones(3), np.empty(3), comm=comm, algorithm="ring")  # a state, no topology
+    _rank_0_skips(comm, lambda: mar.allreduce(np.ones(3), comm=comm, algorithm="hierarchical",
+                                              check=False, timeout=TIMEOUT),
+                  "topology discovery did not complete",
+                  lambda: _state.existing(comm).private.Ibarrier().Wait())
 
 
 def test_a_timeout_that_is_not_reached_changes_nothing_on_a_fresh_communicator():

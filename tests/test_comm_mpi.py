@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import (
     COMM_KINDS,
+    DLPackOnly,
     affine_compose,
     affine_maps,
     assert_identical_across_ranks,
@@ -173,17 +174,6 @@ def test_array_array_bytearray_memoryview():
     assert np.array_equal(np.frombuffer(doubles), np.full(3, 0.5 * world.size))
 
 
-class _DLPackOnly:
-    """A CPU DLPack producer that is not a NumPy array (as a torch CPU tensor is)."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
 
 
 def test_dlpack_without_a_copy():
@@ -191,7 +181,7 @@ def test_dlpack_without_a_copy():
     comm = mar.Comm(world, "ring")
     x = contribution(world, 11, "float32")
     storage = np.zeros_like(x)
-    comm.Allreduce(_DLPackOnly(x), _DLPackOnly(storage), MPI.SUM)
+    comm.Allreduce(DLPackOnly(x), DLPackOnly(storage), MPI.SUM)
     assert_matches_native(world, x, storage, MPI.SUM)  # written into the producer's memory
 
 
