@@ -152,11 +152,17 @@ def summarise(rows_by_config: dict[str, list[list[dict]]]) -> dict[int, dict]:
         if not natives:
             continue
         config = min(natives, key=natives.get)
-        ours = {a: t for a, t in medians[config][size].items() if a != "native"}
+        # auto is not one of ours here: below its crossover it is native itself (in a forced
+        # configuration's run, that configuration), so it is reported against native instead
+        ours = {a: t for a, t in medians[config][size].items() if a not in ("native", "auto")}
         best = min(ours, key=ours.get) if ours else None
+        autos = {c: m[size]["auto"] / m[size]["native"] for c, m in medians.items()
+                 if "auto" in m.get(size, {}) and "native" in m[size]}
         summary[size] = {"native_config": config, "native_us": natives[config],
                          "natives_us": natives, "ours": best,
-                         "ours_us": ours.get(best), "default_native_us": natives.get("default")}
+                         "ours_us": ours.get(best), "default_native_us": natives.get("default"),
+                         "auto_vs_native": autos,
+                         "medians_us": {c: m.get(size, {}) for c, m in medians.items()}}
     return summary
 
 
@@ -170,15 +176,20 @@ def human(size: int) -> str:
 def table(results: dict[str, dict[int, dict]], floor: dict[int, float]) -> list[str]:
     """Return the printed table: one line per size and mode."""
     lines = [f"{'size':>6} {'mode':<8} {'strongest native':<26} {'native us':>10} "
-             f"{'our best':<20} {'ours us':>10} {'ratio':>6} {'floor us':>9}"]
+             f"{'our best':<20} {'ours us':>10} {'ratio':>6} {'vs default':>10} {'floor us':>9} "
+             f"{'auto/native worst':>17}"]
     for mode, summary in results.items():
         for size, s in sorted(summary.items()):
             ratio = f"{s['ours_us'] / s['native_us']:.2f}" if s["ours"] else "-"
             ours = f"{s['ours_us']:.1f}" if s["ours"] else "-"
             low = f"{floor[size]:.1f}" if size in floor else "-"
+            default = s.get("default_native_us")
+            versus = f"{s['ours_us'] / default:.2f}" if s["ours"] and default else "-"
+            autos = s.get("auto_vs_native") or {}
+            worst = f"{max(autos.values()):.2f}" if autos else "-"
             lines.append(f"{human(size):>6} {mode:<8} {s['native_config']:<26} "
                          f"{s['native_us']:>10.1f} {s['ours'] or '-':<20} {ours:>10} {ratio:>6} "
-                         f"{low:>9}")
+                         f"{versus:>10} {low:>9} {worst:>17}")
     return lines
 
 

@@ -43,14 +43,18 @@ def test_summary_takes_the_strongest_native_and_our_best_of_the_same_runs():
     runs = {
         "default": [[_row(8, "native", 10), _row(8, "tree", 12)],
                     [_row(8, "native", 14), _row(8, "tree", 11)]],
-        "tuned 4": [[_row(8, "native", 6), _row(8, "tree", 9), _row(8, "ring", 7, "FAIL")]],
+        "tuned 4": [[_row(8, "native", 6), _row(8, "tree", 9), _row(8, "ring", 7, "FAIL"),
+                     _row(8, "auto", 6.3)]],
     }
     summary = sweep.summarise(runs)[8]
     assert summary["native_config"] == "tuned 4" and summary["native_us"] == 6
-    assert summary["ours"] == "tree" and summary["ours_us"] == 9  # a failed row never wins
+    # a failed row never wins, and auto (native itself below its crossover) is not one of ours
+    assert summary["ours"] == "tree" and summary["ours_us"] == 9
     assert summary["default_native_us"] == 12  # median of 10 and 14
+    assert summary["auto_vs_native"] == {"tuned 4": 6.3 / 6}
     line = sweep.table({"out": {8: summary}}, {8: 2.5})[1]
-    assert line.split()[:2] == ["8", "out"] and "1.50" in line and line.endswith("2.5")
+    assert line.split() == ["8", "out", "tuned", "4", "6.0", "tree", "9.0", "1.50", "0.75",
+                            "2.5", "1.05"]
 
 
 @needs_mpirun
