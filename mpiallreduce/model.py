@@ -161,14 +161,14 @@ NETWORK_100G = Link(alpha=2.0e-6, beta=8.0e-11)
 #: mpiallreduce.model calibrate`` on the 2-core VM of the README (scripts/machine-vm.json),
 #: a 100 Gb/s network between nodes.
 DEFAULT_MACHINE = Machine(
-    intra=Link(alpha=0.97e-6, beta=7.0e-10),
+    intra=Link(alpha=1.50e-6, beta=1.43e-10),
     inter=NETWORK_100G,
-    gamma=(("float32", 7.9e-11), ("float64", 8.1e-11), ("int32", 7.7e-11), ("int64", 7.8e-11)),
-    step=11.5e-6,
+    gamma=(("float32", 7.8e-11), ("float64", 7.6e-11), ("int32", 7.8e-11), ("int64", 8.0e-11)),
+    step=2.86e-6,
     call=0.0,
-    copy=2.26e-10,
-    info={"source": "built-in: intra-node, gamma and step calibrated on the 2-core VM "
-                    "(Open MPI 5.0.11, 2026-11-30), copy (fresh 64 MiB, NumPy) on the same VM; "
+    copy=2.71e-10,
+    info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
+                    "VM (Open MPI 5.0.11, 2026-11-30, after the executor's flat run loop); "
                     "inter-node a 100 Gb/s network"},
 )
 
