@@ -171,6 +171,52 @@ class CallEntry:
         self.plan.free()
 
 
+class NativeShape:
+    """A native one-shot allreduce known by its shape, for calls with fresh arrays each time.
+
+    Holds the communicator, op and topology of the call (so their ids in the key stay theirs),
+    the MPI datatype, the private duplicate's ``Allreduce`` and the packed signatures. The arrays
+    of a call that finds it are checked on the spot (:func:`fresh_arrays`).
+    """
+
+    __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
+                 "allreduce")
+
+    def __init__(self, call: Call, state: CommState, objects: tuple):
+        self.state = state
+        self.objects = objects  # comm, op, topology as passed
+        self.datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
+        self.op = call.reducer.mpi_op
+        self.nranks = state.private.Get_size()
+        self.average = call.reducer.average
+        self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
+        self.allreduce = state.private.Allreduce
+
+    def agree(self, timeout) -> None:
+        state = self.state
+        agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
+              timeout, state.mark_broken)
+
+
+def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:
+    """Would :func:`._checks.allreduce_call` accept these arrays as they are (C-contiguous,
+    writable result, same shape, not overlapping), given the dtype and size already match?"""
+    flags = recvbuf.flags
+    if not (flags.c_contiguous and flags.writeable):
+        return False
+    if sendbuf is MPI.IN_PLACE:
+        return True
+    return (type(sendbuf) is np.ndarray and sendbuf.dtype is recvbuf.dtype
+            and sendbuf.shape == recvbuf.shape and sendbuf.flags.c_contiguous
+            and ((sendbuf.base is None and recvbuf.base is None and sendbuf is not recvbuf)
+                 or not np.may_share_memory(sendbuf, recvbuf)))
+
+
+def shape_key(comm, sendbuf, recvbuf: np.ndarray, op, algorithm, topology, params: dict) -> tuple:
+    return (id(comm), id(op), algorithm, id(topology), recvbuf.dtype, recvbuf.size,
+            sendbuf is MPI.IN_PLACE, tuple(params.items()) if params else ())
+
+
 def cacheable(sendbuf, recvbuf, call: Call) -> bool:
     """Only arrays the caller passed (a result allocated per call never repeats) and predefined
     ops (a user op may be freed and its handle reused while the plan holds it)."""
@@ -181,10 +227,18 @@ def cacheable(sendbuf, recvbuf, call: Call) -> bool:
 
 def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bool,
              timeout: float | None) -> np.ndarray:
-    """Run a checked one-shot allreduce, through a cached plan when ``cache``."""
+    """Run a checked one-shot allreduce, through a cached plan when ``cache``.
+
+    A native call with plain arrays is also remembered by its shape (:class:`NativeShape`).
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     if cache:
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
+        if isinstance(plan, NativePlan) and len(plan.pieces) == 1:
+            comm, sendbuf, recvbuf, op, topology = objects
+            state.calls.put_shape(
+                shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
+                NativeShape(call, state, (comm, op, topology)))
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()

@@ -59,6 +59,12 @@ CALLS: dict = {}
 #: the entry last bound to each recvbuf, by ``id(recvbuf)``: a repeated call finds its plan here
 #: by comparing objects, without building and hashing the full key.
 LAST: dict = {}
+#: native one-shot calls by their shape rather than their arrays (``id`` of comm, op and
+#: topology, algorithm, dtype, count, in place, parameters): a code that allocates a fresh
+#: array per call (``np.array([local_dot])``) still skips the set-up (see ``_plans.NativeShape``).
+SHAPES: dict = {}
+#: most shapes kept per communicator.
+SHAPES_PER_COMM = 64
 
 
 class CallCache:
@@ -77,6 +83,16 @@ class CallCache:
         self.max_entries, self.max_bytes = entries, nbytes
         self.entries: OrderedDict = OrderedDict()
         self.nbytes = 0
+        self.shapes: OrderedDict = OrderedDict()  # keys of this communicator's SHAPES
+
+    def put_shape(self, key, shape) -> None:
+        """Keep a native call's shape (bounded by :data:`SHAPES_PER_COMM`)."""
+        if self.max_entries == 0:
+            return
+        self.shapes[key] = None
+        SHAPES[key] = shape
+        while len(self.shapes) > SHAPES_PER_COMM:
+            SHAPES.pop(self.shapes.popitem(last=False)[0], None)
 
     def put(self, key, entry) -> bool:
         """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""
@@ -105,6 +121,8 @@ class CallCache:
     def clear(self) -> None:
         while self.entries:
             self._drop(*self.entries.popitem())
+        while self.shapes:
+            SHAPES.pop(self.shapes.popitem()[0], None)
 
 
 @dataclass

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from . import _plans
 from ._agree import prepare
 from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
-from ._state import CALLS, LAST
+from ._state import CALLS, LAST, SHAPES
 from ._state import state as comm_state
 from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .nonblocking import iallreduce, start
@@ -89,6 +90,18 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             entry.direct(*entry.args)
             return recvbuf
         return entry.run(timeout)
+    if entry is None and timeout is None and type(recvbuf) is np.ndarray:
+        # a native call with fresh arrays (a new np.array([dot]) per call): known by its shape
+        shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
+                                            params))
+        if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf):
+            if check:
+                shape.agree(None)
+            shape.allreduce(sendbuf if sendbuf is MPI.IN_PLACE else [sendbuf, shape.datatype],
+                            [recvbuf, shape.datatype], shape.op)
+            if shape.average:
+                np.divide(recvbuf, shape.nranks, out=recvbuf)
+            return recvbuf
     call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     if call.recv.size == 0:

@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util import dtlib
 
+from ._plans import fresh_arrays
 from .api import ALGORITHMS, allgather, allreduce, plan, reduce_scatter
 from .ops import DTYPES, reducer
 from .partition import block_counts
@@ -405,6 +406,16 @@ class Comm(MPI.Intracomm):
                 and recvbuf.shape == routed[3] and recvbuf.dtype == routed[4]:
             allreduce(sendbuf, recvbuf, op, comm=view, algorithm=self._algorithm, **self._options)
             return None
+        if type(recvbuf) is np.ndarray and recvbuf.dtype in _DTYPES \
+                and fresh_arrays(sendbuf, recvbuf) \
+                and _reducible(op, recvbuf.dtype) is not None:
+            # plain NumPy arrays (a fresh one per call, as dot products are written): no spec
+            # to parse, and mar.allreduce knows a native call by its shape
+            view = self._plain()
+            if view is not None:
+                allreduce(sendbuf, recvbuf, op, comm=view, algorithm=self._algorithm,
+                          **self._options)
+                return None
         route = self._reduction(sendbuf, recvbuf, op)
         if route is None:
             return super().Allreduce(sendbuf, recvbuf, op)

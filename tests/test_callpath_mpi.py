@@ -435,5 +435,38 @@ def test_one_result_buffer_shared_by_several_calls(comm):
             assert_matches_native(on, send, out, op)
         mar.allreduce(x, out, comm=comm, algorithm="ring_segmented", segment_bytes=16)
         assert_matches_native(comm, x, out, MPI.SUM)
-    assert _entries(comm) == 5
+    # y into out (auto = native, same shape as x's call) is served by that call's shape
+    assert _entries(comm) == 4
     other.Free()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_fresh_arrays_each_call_skip_the_set_up_when_native(comm, monkeypatch, in_place):
+    """A dot product as scientific codes write it, np.array([local]) per call: the native call
+    is known by its shape, so only the first call binds anything."""
+    slow = []
+    real = _plans.one_shot
+    monkeypatch.setattr(_plans, "one_shot", lambda *a, **k: slow.append(1) or real(*a, **k))
+    for round_ in range(4):
+        local = np.array([float(comm.rank + round_), 2.0 * comm.rank])
+        original = local.copy()
+        if in_place:
+            out = mar.allreduce(MPI.IN_PLACE, local, comm=comm)
+        else:
+            out = mar.allreduce(local, np.empty(2), comm=comm)
+        assert_matches_native(comm, original, out, MPI.SUM)
+    assert len(slow) == 1
+
+
+def test_fresh_arrays_that_do_not_fit_the_shape_still_get_checked(comm):
+    mar.allreduce(np.ones(4), np.empty(4), comm=comm)  # the shape exists now
+    x = np.ones(8)
+    with pytest.raises(ValueError, match="sendbuf and recvbuf overlap"):
+        mar.allreduce(x[:4], x[2:6], comm=comm)  # views that overlap: the checked path
+    readonly = np.empty(4)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="recvbuf is read-only"):
+        mar.allreduce(np.ones(4), readonly, comm=comm)
+    y = contribution(comm, 4, "float64")
+    assert_matches_native(comm, y, mar.allreduce(y, np.empty(4), comm=comm, op=mar.AVG),
+                          MPI.SUM, average=True)
