@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -171,18 +172,25 @@ class CallEntry:
         self.plan.free()
 
 
-class NativeShape:
-    """A native one-shot allreduce known by its shape, for calls with fresh arrays each time.
+#: most bytes per rank for which a schedule's call is also remembered by its shape, through
+#: staging buffers (two copies per call, cheap at these sizes).
+STAGE_BYTES = 1 << 16
 
-    Holds the communicator, op and topology of the call (so their ids in the key stay theirs),
-    the MPI datatype, the private duplicate's ``Allreduce`` and the packed signatures. The arrays
-    of a call that finds it are checked on the spot (:func:`fresh_arrays`).
+
+class Shape:
+    """A one-shot allreduce known by its shape, for calls with fresh arrays each time.
+
+    Holds the communicator, op and topology of the call (so their ids in the key stay theirs)
+    and the packed signatures. Native: the MPI datatype and the private duplicate's
+    ``Allreduce``, called on the caller's arrays. A schedule (up to :data:`STAGE_BYTES`): a plan
+    bound to staging buffers of its own, with the caller's data copied in and the result out.
+    The arrays of a call that finds it are checked on the spot (:func:`fresh_arrays`).
     """
 
     __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
-                 "allreduce")
+                 "allreduce", "plan", "send_stage", "recv_stage")
 
-    def __init__(self, call: Call, state: CommState, objects: tuple):
+    def __init__(self, call: Call, state: CommState, objects: tuple, plan=None):
         self.state = state
         self.objects = objects  # comm, op, topology as passed
         self.datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
@@ -191,11 +199,36 @@ class NativeShape:
         self.average = call.reducer.average
         self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         self.allreduce = state.private.Allreduce
+        self.plan = plan
+        self.send_stage = None if plan is None or plan.sendbuf is None else plan.sendbuf
+        self.recv_stage = None if plan is None else plan.recvbuf
 
     def agree(self, timeout) -> None:
         state = self.state
         agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
               timeout, state.mark_broken)
+
+    def staged(self, sendbuf, recvbuf: np.ndarray) -> np.ndarray:
+        """Run the staged plan on the caller's arrays (C-contiguous, checked by the caller)."""
+        if self.send_stage is None:
+            np.copyto(self.recv_stage, recvbuf.reshape(-1))
+        else:
+            np.copyto(self.send_stage, sendbuf.reshape(-1))
+        self.plan.run()
+        np.copyto(recvbuf.reshape(-1), self.recv_stage)
+        return recvbuf
+
+    def free(self) -> None:
+        if self.plan is not None:
+            self.plan.free()
+
+
+def _staged_plan(call: Call, state: CommState, deadline):
+    """A persistent plan of ``call``'s schedule on staging buffers of its own."""
+    size, dtype = call.recv.size, call.recv.dtype
+    staged = replace(call, send=None if call.send is None else np.empty(size, dtype=dtype),
+                     recv=np.empty(size, dtype=dtype))
+    return build(staged, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
 
 
 def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:
@@ -229,16 +262,18 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
              timeout: float | None) -> np.ndarray:
     """Run a checked one-shot allreduce, through a cached plan when ``cache``.
 
-    A native call with plain arrays is also remembered by its shape (:class:`NativeShape`).
+    A call with plain arrays is also remembered by its shape (:class:`Shape`).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     if cache:
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
-        if isinstance(plan, NativePlan) and len(plan.pieces) == 1:
-            comm, sendbuf, recvbuf, op, topology = objects
+        comm, sendbuf, recvbuf, op, topology = objects
+        native = isinstance(plan, NativePlan)
+        if (native and len(plan.pieces) == 1) or (not native and call.recv.nbytes <= STAGE_BYTES):
+            staged = None if native else _staged_plan(call, state, deadline)
             state.calls.put_shape(
                 shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
-                NativeShape(call, state, (comm, op, topology)))
+                Shape(call, state, (comm, op, topology), staged))
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()

@@ -59,9 +59,9 @@ CALLS: dict = {}
 #: the entry last bound to each recvbuf, by ``id(recvbuf)``: a repeated call finds its plan here
 #: by comparing objects, without building and hashing the full key.
 LAST: dict = {}
-#: native one-shot calls by their shape rather than their arrays (``id`` of comm, op and
+#: one-shot calls by their shape rather than their arrays (``id`` of comm, op and
 #: topology, algorithm, dtype, count, in place, parameters): a code that allocates a fresh
-#: array per call (``np.array([local_dot])``) still skips the set-up (see ``_plans.NativeShape``).
+#: array per call (``np.array([local_dot])``) still skips the set-up (see ``_plans.Shape``).
 SHAPES: dict = {}
 #: most shapes kept per communicator.
 SHAPES_PER_COMM = 64
@@ -89,10 +89,18 @@ class CallCache:
         """Keep a native call's shape (bounded by :data:`SHAPES_PER_COMM`)."""
         if self.max_entries == 0:
             return
-        self.shapes[key] = None
+        old = self.shapes.pop(key, None)
+        if old is not None:
+            old.free()
+        self.shapes[key] = shape
         SHAPES[key] = shape
         while len(self.shapes) > SHAPES_PER_COMM:
-            SHAPES.pop(self.shapes.popitem(last=False)[0], None)
+            self._drop_shape(*self.shapes.popitem(last=False))
+
+    def _drop_shape(self, key, shape) -> None:
+        if SHAPES.get(key) is shape:
+            del SHAPES[key]
+        shape.free()
 
     def put(self, key, entry) -> bool:
         """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""
@@ -122,7 +130,7 @@ class CallCache:
         while self.entries:
             self._drop(*self.entries.popitem())
         while self.shapes:
-            SHAPES.pop(self.shapes.popitem()[0], None)
+            self._drop_shape(*self.shapes.popitem())
 
 
 @dataclass

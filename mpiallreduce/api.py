@@ -91,12 +91,14 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             return recvbuf
         return entry.run(timeout)
     if entry is None and timeout is None and type(recvbuf) is np.ndarray:
-        # a native call with fresh arrays (a new np.array([dot]) per call): known by its shape
+        # a call with fresh arrays (a new np.array([dot]) per call): known by its shape
         shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
                                             params))
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf):
             if check:
                 shape.agree(None)
+            if shape.plan is not None:
+                return shape.staged(sendbuf, recvbuf)
             shape.allreduce(sendbuf if sendbuf is MPI.IN_PLACE else [sendbuf, shape.datatype],
                             [recvbuf, shape.datatype], shape.op)
             if shape.average:

@@ -440,10 +440,11 @@ def test_one_result_buffer_shared_by_several_calls(comm):
     other.Free()
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "native", "ring", "recursive_doubling", "tree"])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_fresh_arrays_each_call_skip_the_set_up_when_native(comm, monkeypatch, in_place):
-    """A dot product as scientific codes write it, np.array([local]) per call: the native call
-    is known by its shape, so only the first call binds anything."""
+def test_fresh_arrays_each_call_skip_the_set_up(comm, monkeypatch, in_place, algorithm):
+    """A dot product as scientific codes write it, np.array([local]) per call: the call is
+    known by its shape (a schedule through staging buffers), so only the first call binds."""
     slow = []
     real = _plans.one_shot
     monkeypatch.setattr(_plans, "one_shot", lambda *a, **k: slow.append(1) or real(*a, **k))
@@ -451,11 +452,14 @@ def test_fresh_arrays_each_call_skip_the_set_up_when_native(comm, monkeypatch, i
         local = np.array([float(comm.rank + round_), 2.0 * comm.rank])
         original = local.copy()
         if in_place:
-            out = mar.allreduce(MPI.IN_PLACE, local, comm=comm)
+            out = mar.allreduce(MPI.IN_PLACE, local, comm=comm, algorithm=algorithm)
         else:
-            out = mar.allreduce(local, np.empty(2), comm=comm)
+            out = mar.allreduce(local, np.empty(2), comm=comm, algorithm=algorithm)
         assert_matches_native(comm, original, out, MPI.SUM)
-    assert len(slow) == 1
+        out = mar.allreduce(local.reshape(2, 1), np.empty((2, 1)), comm=comm, algorithm=algorithm,
+                            op=mar.AVG)  # another op: one more bound shape (any shape of 2)
+        assert_matches_native(comm, local.reshape(2, 1), out, MPI.SUM, average=True)
+    assert len(slow) == 2
 
 
 def test_fresh_arrays_that_do_not_fit_the_shape_still_get_checked(comm):
