@@ -35,7 +35,7 @@ def test_make_targets_exist(target):
     assert done.returncode == 0, done.stderr
 
 
-MODULES = sorted(set(re.findall(r"python -m (mpiallreduce[\w.]*)", FIRST_SCREEN)))
+MODULES = sorted(set(re.findall(r"-m (mpiallreduce[\w.]*)", FIRST_SCREEN)))
 
 
 def test_the_first_screen_names_commands():
