@@ -235,13 +235,22 @@ def _idup(comm: MPI.Intracomm, deadline: float | None, what: str, state=None) ->
     return dup
 
 
+#: private duplicates of communicators freed after a timeout, deliberately never freed: their
+#: abandoned messages would otherwise match a later communicator that reuses their context id
+#: (MPICH reuses freed context ids at once).
+ABANDONED: list = []
+
+
 def _delete_state(comm, keyval, state) -> None:
     if MPI.Is_finalized():
         return
     state.calls.clear()
     for private in (state.private, state.checker):
         if private != MPI.COMM_NULL:
-            private.Free()
+            if state.broken:
+                ABANDONED.append(private)
+            else:
+                private.Free()
 
 
 KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_state)

@@ -89,8 +89,16 @@ def flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1, order="A")
 
 
-def _release(requests: list, owned_comm) -> None:
-    """Free persistent requests (and a communicator the plan owns) unless MPI is finalized."""
+#: communicators of plans that timed out, never freed (see ``_state.ABANDONED``).
+ABANDONED: list = []
+
+
+def _release(requests: list, owned_comm, broken: list) -> None:
+    """Free persistent requests (and a communicator the plan owns) unless MPI is finalized.
+
+    ``broken`` is non-empty once the plan timed out: its own communicator is then kept, never
+    freed, so that a later communicator reusing its context id cannot match what it abandoned.
+    """
     if MPI.Is_finalized():
         return
     for request in requests:
@@ -100,6 +108,9 @@ def _release(requests: list, owned_comm) -> None:
                 request.Free()
     requests.clear()
     if owned_comm is not None and owned_comm != MPI.COMM_NULL:
+        if broken:
+            ABANDONED.append(owned_comm)
+            return
         with contextlib.suppress(MPI.Exception):
             owned_comm.Free()
 
@@ -271,7 +282,9 @@ class _PlanBase:
         self._requests: list = []  # every persistent request, for free() and the finalizer
         # A plan dropped without free() still releases its requests (and its own communicator);
         # not at interpreter exit, where MPI may already be finalized.
-        self._finalizer = weakref.finalize(self, _release, self._requests, owned_comm)
+        self._timed_out: list = []  # non-empty after a timeout (read by the finalizer)
+        self._finalizer = weakref.finalize(self, _release, self._requests, owned_comm,
+                                           self._timed_out)
         self._finalizer.atexit = False
 
     def _start(self, timeout: float | None) -> tuple[float | None, float | None]:
@@ -298,6 +311,7 @@ class _PlanBase:
         ``pending`` are requests MPI cannot cancel (collective ones); the state keeps them.
         """
         self._broken = reason
+        self._timed_out.append(reason)
         if self._state is not None:
             # the buffers stay alive: MPI may still complete what was abandoned
             self._state.mark_broken(reason, list(pending), (self, *keep))
