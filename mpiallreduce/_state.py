@@ -150,6 +150,7 @@ class CommState:
     broken: str | None = None
     stale: list = field(default_factory=list)
     kept: list = field(default_factory=list)
+    native_nonblocking: MPI.Intracomm | None = None
     slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
     next_slot: int = 1
 
@@ -195,6 +196,17 @@ class CommState:
         else:
             self.scratch.pop(dtype, None)  # an outsized call releases what it had, keeps nothing
         return buf
+
+    def nonblocking_comm(self, timeout: float | None, what: str) -> MPI.Intracomm:
+        """A duplicate of its own for native non-blocking collectives (made on first use).
+
+        Their ``Wait`` runs in the progress thread; on a communicator of their own they never
+        share one with the blocking collectives the caller's thread issues meanwhile.
+        """
+        if self.native_nonblocking is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self.native_nonblocking = self.duplicate(deadline, what)
+        return self.native_nonblocking
 
     def duplicate(self, deadline: float | None, what: str) -> MPI.Intracomm:
         """Another duplicate of ``private`` (collective), within the deadline if one is set."""
@@ -245,8 +257,8 @@ def _delete_state(comm, keyval, state) -> None:
     if MPI.Is_finalized():
         return
     state.calls.clear()
-    for private in (state.private, state.checker):
-        if private != MPI.COMM_NULL:
+    for private in (state.private, state.checker, state.native_nonblocking):
+        if private is not None and private != MPI.COMM_NULL:
             if state.broken:
                 ABANDONED.append(private)
             else:

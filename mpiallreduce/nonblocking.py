@@ -239,6 +239,7 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
         return request
     private = state.private
     if _plans.resolve(call, private.Get_size()) == "native":
+        private = state.nonblocking_comm(timeout, "iallreduce")
         result = flat(call.recv)
         send = None if call.send is None else flat(call.send)
         requests = [private.Iallreduce(MPI.IN_PLACE if send is None else send[lo:hi],
