@@ -76,14 +76,6 @@ def poll(requests, deadline: float) -> bool:
     return True
 
 
-def wait(requests, deadline: float | None) -> bool:
-    """Wait for ``requests`` (forever when ``deadline`` is None); False if the deadline passed."""
-    if deadline is None:
-        MPI.Request.Waitall(requests)
-        return True
-    return poll(requests, deadline)
-
-
 def flat(array: np.ndarray) -> np.ndarray:
     """Return a 1-D view of a C- or Fortran-contiguous array, in memory order (as MPI reads it)."""
     return array.reshape(-1, order="A")
@@ -392,12 +384,12 @@ class Plan(_PlanBase):
         # range of the result is written (see _Written).
         self._source = flat(sendbuf) if layout is None and sendbuf is not None else None
         written = _Written(self._source is None)
-        self._steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
+        bound_steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
                                   defer[position], written)
                        for position, (index, step) in enumerate(_nonempty(steps))]
         # per step: (before, requests or None to post afresh, combines, defer, the bound step)
         self._program = tuple((bound.before, bound.requests if persistent else None,
-                               bound.combines, bound.defer, bound) for bound in self._steps)
+                               bound.combines, bound.defer, bound) for bound in bound_steps)
         count = self._result.size
         self._first = tuple(partial(np.copyto, destination, source)
                             for source, destination in self._layout.load)
