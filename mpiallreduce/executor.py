@@ -41,6 +41,9 @@ def check_timeout(timeout) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
+#: requests of a step that a run without deadline starts and waits one by one (more: Startall).
+SINGLE_REQUESTS = 4
+
 #: tests a wait with a deadline makes back to back first (a few µs: each drives MPI's progress).
 BUSY_TESTS = 64
 #: seconds a wait with a deadline then spins (yielding the core between tests) before it sleeps.
@@ -124,6 +127,7 @@ class _BoundStep:
     combines: tuple
     requests: list
     defer: bool = False  # combine after posting the next step (see _deferrable)
+    sent: list = None  # element ranges sent from the working space (not from sendbuf)
 
 
 class _Written:
@@ -271,6 +275,7 @@ class _PlanBase:
         self._nranks = comm.Get_size()
         self._broken: str | None = None
         self._freed = False
+        self._fast: tuple | None = None  # Plan: the run without deadline, flat (see _flatten)
         self._requests: list = []  # every persistent request, for free() and the finalizer
         # A plan dropped without free() still releases its requests (and its own communicator);
         # not at interpreter exit, where MPI may already be finalized.
@@ -303,6 +308,7 @@ class _PlanBase:
         ``pending`` are requests MPI cannot cancel (collective ones); the state keeps them.
         """
         self._broken = reason
+        self._fast = None
         self._timed_out.append(reason)
         if self._state is not None:
             # the buffers stay alive: MPI may still complete what was abandoned
@@ -331,6 +337,7 @@ class _PlanBase:
         """Release the plan's persistent requests (idempotent)."""
         if not self._freed:
             self._freed = True
+            self._fast = None
             self._finalizer()
 
     def __enter__(self):
@@ -387,6 +394,7 @@ class Plan(_PlanBase):
         bound_steps = [self._bind(index, step, (position % 2) * need if any(defer) else 0,
                                   defer[position], written)
                        for position, (index, step) in enumerate(_nonempty(steps))]
+        self._bind_reductions(bound_steps)
         # per step: (before, requests or None to post afresh, combines, defer, the bound step)
         self._program = tuple((bound.before, bound.requests if persistent else None,
                                bound.combines, bound.defer, bound) for bound in bound_steps)
@@ -399,13 +407,61 @@ class Plan(_PlanBase):
             last += [partial(np.copyto, self._result[lo:hi], self._source[lo:hi])
                      for lo, hi in written.missing(count)]
         if self._average:
-            last.append(partial(np.divide, self._result, self._nranks, out=self._result))
+            last.append(partial(np.divide, self._result, self._nranks, self._result))
         self._last = tuple(last)
+        self._fast = self._flatten() if persistent else None
+
+    def _flatten(self) -> tuple:
+        """Return the whole run without a deadline as one flat tuple of argument-free calls.
+
+        The same order as the stepwise loop in :meth:`run`: per step its copies, its requests
+        started, the previous step's deferred combines, its requests waited, its combines. Up to
+        :data:`SINGLE_REQUESTS` requests a step are started and waited one by one (cheaper than
+        building the C array ``Startall``/``Waitall`` take from a list); waits run in reverse
+        so the sends, posted last, are waited first.
+        """
+        calls, pending = list(self._first), ()
+        startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
+        for before, requests, combines, defer, _ in self._program:
+            calls += before
+            if len(requests) <= SINGLE_REQUESTS:
+                calls += [request.Start for request in requests]
+            else:
+                calls.append(partial(startall, requests))
+            calls += pending
+            if len(requests) <= SINGLE_REQUESTS:
+                calls += [request.Wait for request in reversed(requests)]
+            else:
+                calls.append(partial(waitall, requests))
+            if defer:
+                pending = combines
+            else:
+                pending = ()
+                calls += combines
+        return (*calls, *pending, *self._last)
 
     @property
     def nbytes(self) -> int:
         """Bytes of scratch this plan holds (its buffers are the caller's)."""
         return self._scratch.nbytes
+
+    def _bind_reductions(self, bound_steps: list[_BoundStep]) -> None:
+        """Turn each step's reductions ``(received, local, lo, hi, order)`` into calls.
+
+        Reductions into a range of the result that the plan sends from (in any step: the
+        previous run's sends count too) are told so, see :meth:`Reducer.bind`.
+        """
+        sent = [r for bound in bound_steps for r in bound.sent]
+        for bound in bound_steps:
+            calls = []
+            for combine in bound.combines:
+                if not isinstance(combine, tuple):
+                    calls.append(combine)
+                    continue
+                received, local, lo, hi, order = combine
+                calls.extend(self.reducer.bind(received, local, self._layout.view(lo, hi), order,
+                                               _overlaps(lo, hi, sent)))
+            bound.combines = tuple(calls)
 
     def _bind(self, index: int, step: Step, offset: int, defer: bool,
               written: _Written) -> _BoundStep:
@@ -444,8 +500,8 @@ class Plan(_PlanBase):
                 else:
                     for lo, hi, was in written.pieces(start, stop):
                         local = view_of(lo, hi) if was else source[lo:hi]
-                        combines.extend(self.reducer.bind(view[lo - start:hi - start], local,
-                                                          view_of(lo, hi), recv.order))
+                        # bound once every step is known (see _bind_reductions)
+                        combines.append((view[lo - start:hi - start], local, lo, hi, recv.order))
                 written.add(start, stop)
         requests = []
         if self._persistent:
@@ -453,7 +509,7 @@ class Plan(_PlanBase):
             requests = ([self.comm.Recv_init(view, peer, tag) for peer, view in recvs]
                         + [self.comm.Send_init(view, peer, tag) for peer, view in sends])
             self._requests.extend(requests)
-        return _BoundStep(index, recvs, sends, tuple(before), tuple(combines), requests, defer)
+        return _BoundStep(index, recvs, sends, tuple(before), combines, requests, defer, sent)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -465,10 +521,16 @@ class Plan(_PlanBase):
                 passes, raise :class:`CollectiveTimeout`; the plan and its communicator are
                 unusable afterwards.
         """
-        state = self._state
+        fast, state = self._fast, self._state
+        if timeout is None and fast is not None and self.timeout is None \
+                and (state is None or not state.broken):
+            # the common case, checked inline: nothing refused, no deadline, persistent requests
+            for call in fast:
+                call()
+            return self.recvbuf
         if timeout is None and self.timeout is None and not self._freed and not self._broken \
                 and (state is None or not state.broken):
-            deadline = None  # the common case, checked inline: nothing refused, no deadline
+            deadline = None
         else:
             timeout, deadline = self._start(timeout)
         for call in self._first:

@@ -85,3 +85,29 @@ def test_run_allocates_nothing(algorithm, in_place):
                 if stat.size_diff > 0 and "mpiallreduce" in str(stat.traceback))
     # CPython's free lists may keep an object or two; a per-run allocation would keep RUNS
     assert grown < 8 * RUNS, [str(s) for s in after.compare_to(before, "lineno")[:5]]
+
+
+@pytest.mark.parametrize("algorithm", SCHEDULES)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("op_name", ["SUM", "MAX", "PROD"])
+def test_combines_through_scratch_and_the_flat_run(algorithm, in_place, op_name):
+    """Ranges a peer reads are combined into scratch then copied (4 KiB..1 MiB, see
+    ops.SCRATCH_COMBINE): exact against native over runs whose inputs change, and the flat
+    run() gives the same bits as the stepwise loop a deadline takes."""
+    comm, op = MPI.COMM_WORLD, getattr(MPI, op_name)
+    dtype = "int64" if op_name == "SUM" else "float64"
+    for count in (511, 4096 * comm.size + 3, 40_000):
+        base = contribution(comm, count, dtype, op_name, seed=count)
+        x, out = base.copy(), np.empty_like(base)
+        with mar.plan(MPI.IN_PLACE if in_place else x, out, op=op, comm=comm,
+                      algorithm=algorithm) as p:
+            for run in range(3):
+                x[...] = base if op_name == "PROD" else base + run  # a stale range would show
+                if in_place:
+                    out[...] = x
+                result = p.run() if run != 1 else p.run(timeout=60)
+                assert_matches_native(comm, x, result, op)
+                if run == 0:
+                    flat = result.copy()
+                if run == 1 and op_name == "PROD":
+                    assert np.array_equal(flat, result)  # same inputs: flat and stepwise agree
