@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveTimeout
-from .ops import Reducer
+from .ops import SCRATCH_COMBINE, Reducer
 from .partition import segments
 from .schedule import COPY, Step
 
@@ -451,7 +451,8 @@ class Plan(_PlanBase):
         Reductions into a range of the result that the plan sends from (in any step: the
         previous run's sends count too) are told so, see :meth:`Reducer.bind`.
         """
-        sent = [r for bound in bound_steps for r in bound.sent]
+        small = self._result.nbytes <= SCRATCH_COMBINE[1]
+        sent = [r for bound in bound_steps for r in bound.sent] if small else []
         for bound in bound_steps:
             calls = []
             for combine in bound.combines:
@@ -484,12 +485,22 @@ class Plan(_PlanBase):
         recvs, combines = [], []
         for recv in step.recvs:
             in_place = recv.action == COPY and not _overlaps(recv.start, recv.stop, sent)
+            direct = (recv.action != COPY and source is not None
+                      and self.reducer.ufunc is not None)
             for start, stop in segments(recv.start, recv.stop, MAX_MESSAGE):
                 if stop == start:
                     continue
                 target = view_of(start, stop)
                 if in_place:
                     recvs.append((recv.peer, target))  # lands in place: no scratch, no copy
+                    written.add(start, stop)
+                    continue
+                if direct and not any(was for _, _, was in written.pieces(start, stop)):
+                    # out of place, a range the plan has not written holds nothing yet: the
+                    # message lands there and is reduced with sendbuf in place (no scratch; a
+                    # ufunc storing into cold lines it has not read costs ~2x here)
+                    recvs.append((recv.peer, target))
+                    combines.append((target, source[start:stop], start, stop, recv.order))
                     written.add(start, stop)
                     continue
                 view = scratch[offset:offset + stop - start]

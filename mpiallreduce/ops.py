@@ -91,14 +91,16 @@ class Reducer:
 
         ``local`` is ``out`` itself, or the caller's sendbuf where the result buffer does not
         hold this rank's contribution yet (then nothing is copied in first). ``received`` is
-        scratch and may be overwritten. ``shared``: a peer reads ``out`` (the plan sends from
-        it); then, within :data:`SCRATCH_COMBINE`, the result is computed into ``received``
-        and copied to ``out``.
+        scratch and may be overwritten, or ``out`` itself where the message landed in the
+        result (out of place, before the plan wrote the range). ``shared``: a peer reads
+        ``out`` (the plan sends from it) and the result is small enough (see
+        :data:`SCRATCH_COMBINE`): the result is computed into ``received``, then copied.
         """
         same = _same_memory(local, out)
         if self.ufunc is not None:
             first, second = (received, local) if order == RECEIVED_FIRST else (local, received)
-            if shared and SCRATCH_COMBINE[0] <= out.nbytes <= SCRATCH_COMBINE[1]:
+            if shared and out.nbytes >= SCRATCH_COMBINE[0] \
+                    and not _same_memory(received, out):
                 # single-copy transports (Open MPI's CMA) read the sender's memory, so the
                 # peer's cache holds ``out``'s lines: a ufunc storing into them pays an
                 # ownership upgrade per line, ~4x slower than writing our own scratch and
@@ -112,11 +114,15 @@ class Reducer:
         return (partial(reduce_local, local, received), partial(np.copyto, out, received))
 
 
-#: bytes of a combine into a range peers read (the plan sends from it) between which it is
-#: computed into the received scratch and copied back. Measured at 2 ranks under Open MPI 5
-#: (its single-copy CMA path for messages over 4 KiB), Xeon with 2 MiB L2 per core: right
-#: after a peer read the range, ``np.add(out, received, out)`` costs 5.5/14/53/222 us at
-#: 4/16/64/1024 KiB, through scratch 2.1/4.2/14/122 us; at 4 MiB scratch loses (353 vs 693).
+#: (least bytes of a combine, most bytes of the whole result) between which a reduction into
+#: a range peers read (the plan sends from it) is computed into the received scratch and
+#: copied back. Under Open MPI 5's single-copy CMA path (messages over 4 KiB) the peer's cache
+#: holds the lines it read, and a ufunc storing into them pays an ownership upgrade per line.
+#: Measured at 2 ranks, Xeon with 2 MiB L2 per core: right after a peer read the range,
+#: ``np.add(out, received, out)`` took 5.5/14/53/222 us at 4/16/64/1024 KiB, through scratch
+#: 2.1/4.2/14/122 us; whole in-place runs (ring, rabenseifner, recursive_doubling) gain
+#: 1.4-2.3x up to a 1 MiB result, nothing at 2 MiB, and lose ~10% at 8 MiB, where the lines
+#: have left the peer's cache before they are written again.
 SCRATCH_COMBINE = (4 << 10, 1 << 20)
 
 

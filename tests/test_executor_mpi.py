@@ -91,7 +91,7 @@ def test_run_allocates_nothing(algorithm, in_place):
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("op_name", ["SUM", "MAX", "PROD"])
 def test_combines_through_scratch_and_the_flat_run(algorithm, in_place, op_name):
-    """Ranges a peer reads are combined into scratch then copied (4 KiB..1 MiB, see
+    """Ranges a peer reads are combined into scratch then copied (results up to 1 MiB, see
     ops.SCRATCH_COMBINE): exact against native over runs whose inputs change, and the flat
     run() gives the same bits as the stepwise loop a deadline takes."""
     comm, op = MPI.COMM_WORLD, getattr(MPI, op_name)
