@@ -1,13 +1,13 @@
 """What ``algorithm="auto"`` picks for (p, bytes, op, topology).
 
-An algorithm written in Python over point-to-point messages pays about 10 µs of interpreter
+An algorithm written in Python over point-to-point messages pays about 1 µs of interpreter
 time per step that MPI's native collective does not, so ``auto`` picks ``native`` unless a
-measured crossover says a schedule wins. One such crossover is measured here (README,
-"Performance"): from 32 MiB per rank, ``ring_segmented`` beat Open MPI 5.0.11's own
-``Allreduce`` by a median 1.73x (32 MiB) and 1.86x (64 MiB) at 2 ranks over three bench runs,
-and by 1.74x / 1.65x at 4 ranks, with every schedule faster than native there. Below 32 MiB the
-ratios straddle 1 and ``native`` stays. Re-measure with ``python -m mpiallreduce.bench`` on
-another machine or MPI before trusting the threshold there; ``algorithm=`` overrides it.
+measured crossover says a schedule wins (README, "Performance"): from 32 MiB per rank,
+``ring_segmented`` beat Open MPI 5.0.11's own ``Allreduce`` by 1.6-3.4x at 2 to 4 ranks with
+every schedule faster than native there, and the narrower ranges of :data:`RULES`. Elsewhere
+the ratios straddle 1 and ``native`` stays. Re-measure with ``python -m mpiallreduce.bench``
+(or write a table with ``mpiallreduce.tune``) on another machine or MPI before trusting these
+thresholds there; ``algorithm=`` overrides them.
 
 Measured tables. ``mpirun -n N python -m mpi4py -m mpiallreduce.tune`` measures every algorithm
 and native on this machine at N ranks and writes a decision table; :func:`choose` consults the
@@ -49,6 +49,19 @@ from .ops import Reducer
 
 #: bytes per rank from which ``auto`` prefers the pipelined ring to native (measured crossover).
 LARGE_MESSAGE_BYTES = 32 << 20
+#: further measured crossovers of the built-in rule, commutative ops only: (fewest ranks, most
+#: ranks, least bytes, most bytes (exclusive, None: no limit), algorithm). Each range is where
+#: the schedule beat Open MPI 5.0.11's default ``Allreduce`` in every one of three interleaved
+#: bench rounds both out of place and in place (float32 SUM, this 2-core VM, README
+#: "Performance"): at 2 ranks recursive_doubling 1.02-1.14x in place and 2.3x out of place at
+#: 16-64 KiB, ring_segmented 1.08-1.16x in place and 1.6-1.8x out of place from 4 MiB; at 3,
+#: 4 and 5 ranks knomial 1.02-1.9x at 2-32 KiB (3 and 5 ranks to 64 KiB). Outside them the
+#: margins straddle 1 in one mode or the other and ``native`` stays.
+RULES = (
+    (2, 2, 16 << 10, 128 << 10, "recursive_doubling"),
+    (2, 2, 4 << 20, None, "ring_segmented"),
+    (3, 5, 2 << 10, 64 << 10, "knomial"),
+)
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
 MODULAR_RING_BYTES = 1 << 16
@@ -76,8 +89,12 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
             return picked
     if nranks > MEASURED_RANKS:
         return model_choice(nranks, nbytes, reducer, topology)
-    if nranks > 1 and nbytes >= LARGE_MESSAGE_BYTES and reducer.commutative:
-        return "ring_segmented"
+    if nranks > 1 and reducer.commutative:
+        for low, high, least, most, name in RULES:
+            if low <= nranks <= high and least <= nbytes and (most is None or nbytes < most):
+                return name
+        if nbytes >= LARGE_MESSAGE_BYTES:
+            return "ring_segmented"
     return "native"
 
 

@@ -1,4 +1,4 @@
-"""What ``auto`` picks: native below the measured crossover, never an algorithm that refuses the op."""
+"""What ``auto`` picks: a schedule only in the measured ranges, never an algorithm that refuses the op."""
 
 import numpy as np
 import pytest
@@ -16,10 +16,24 @@ def _noncommutative(inbuf, inoutbuf, datatype):
 @pytest.mark.parametrize("nranks", [1, 2, 3, 8])
 @pytest.mark.parametrize("nbytes", [0, 8, 1 << 20, LARGE_MESSAGE_BYTES - 1,
                                     LARGE_MESSAGE_BYTES, 1 << 31])
-def test_auto_picks_native_below_the_crossover_and_the_pipelined_ring_above(nranks, nbytes):
+def test_auto_picks_the_pipelined_ring_above_the_crossover(nranks, nbytes):
     picked = choose(nranks, nbytes, reducer(MPI.SUM, np.dtype("float32")))
     large = nranks > 1 and nbytes >= LARGE_MESSAGE_BYTES
-    assert picked == ("ring_segmented" if large else "native")
+    assert (picked == "ring_segmented") == large or (nranks == 2 and nbytes >= 4 << 20)
+
+
+# the measured ranges of select.RULES, written out: (ranks, bytes, pick)
+PICKS = [(1, 64 << 10, "native"), (2, 8, "native"), (2, 8 << 10, "native"),
+         (2, 16 << 10, "recursive_doubling"), (2, (128 << 10) - 1, "recursive_doubling"),
+         (2, 128 << 10, "native"), (2, 2 << 20, "native"), (2, 4 << 20, "ring_segmented"),
+         (3, 1 << 10, "native"), (3, 2 << 10, "knomial"), (4, 32 << 10, "knomial"),
+         (5, (64 << 10) - 1, "knomial"), (5, 64 << 10, "native"), (6, 16 << 10, "native"),
+         (8, 1 << 20, "native"), (8, 32 << 20, "ring_segmented")]
+
+
+@pytest.mark.parametrize("nranks, nbytes, expected", PICKS)
+def test_auto_picks_a_schedule_only_where_one_was_measured_faster(nranks, nbytes, expected):
+    assert choose(nranks, nbytes, reducer(MPI.SUM, np.dtype("float64"))) == expected
 
 
 def test_auto_never_picks_an_order_breaking_algorithm_for_a_non_commutative_op():
