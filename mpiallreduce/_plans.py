@@ -130,15 +130,20 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
 
 # -- the one-shot call cache --------------------------------------------------------------------------
 
+def _call_each(calls: tuple) -> None:
+    for call in calls:
+        call()
+
+
 class CallEntry:
     """A bound one-shot allreduce, kept for the next call with the same objects.
 
     Holds the objects of the call (so their ``id`` and memory stay theirs), the dtype they had
     (a plan reads its arrays as flat memory: a new shape of the same array changes nothing), the
     plan, and the call's signature packed for the agreement check (with and
-    without a timeout). ``direct(*args)`` is the native call itself, with the MPI datatype
-    given so that mpi4py need not infer it, when nothing else is needed (no AVG division, one
-    piece); else None and the plan runs.
+    without a timeout). ``direct(*args)`` runs it without a deadline: the native call itself,
+    with the MPI datatype given so that mpi4py need not infer it, when nothing else is needed
+    (no AVG division, one piece), or a schedule's flat calls; else None and the plan runs.
     """
 
     __slots__ = ("plan", "run", "state", "objects", "algorithm", "params", "dtype", "in_place",
@@ -162,6 +167,10 @@ class CallEntry:
             self.direct = plan.comm.Allreduce
             self.args = (send if send is MPI.IN_PLACE else [send, datatype], [recv, datatype],
                          call.reducer.mpi_op)
+        elif isinstance(plan, Plan) and plan._fast is not None:
+            # a schedule: its run without deadline, the flat calls (the cache drops the entry
+            # before the plan is freed or its communicator breaks, so nothing needs checking)
+            self.direct, self.args = _call_each, (plan._fast,)
 
     def agree(self, timeout) -> None:
         state = self.state
