@@ -117,7 +117,9 @@ class _BoundStep:
 
     ``before`` are copies made before the step's messages are posted, ``combines`` the
     argument-free calls made once they complete (copies out of scratch and reductions, bound
-    at plan time), ``requests`` the persistent requests (persistent plans only).
+    at plan time; reductions stay ``(received, local, lo, hi, order)`` tuples until
+    :meth:`Plan._bind_reductions` knows every step's sends), ``requests`` the persistent
+    requests (persistent plans only).
     """
 
     index: int
@@ -127,7 +129,7 @@ class _BoundStep:
     combines: tuple
     requests: list
     defer: bool = False  # combine after posting the next step (see _deferrable)
-    sent: list = None  # element ranges sent from the working space (not from sendbuf)
+    sent: list | None = None  # element ranges sent from the working space (not sendbuf)
 
 
 class _Written:
@@ -548,7 +550,8 @@ class Plan(_PlanBase):
             call()
         pending = ()  # combines of a step that wait until the next step's messages are posted
         startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
-        # one flat tuple per step, bound at plan time (see _flatten)
+        # one tuple per step, bound at plan time (self._program); without a deadline a
+        # persistent plan took the flat path above
         for before, requests, combines, defer, bound in self._program:
             for call in before:
                 call()
