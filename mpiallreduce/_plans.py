@@ -100,13 +100,16 @@ def resolve(call: Call, nranks: int) -> str:
 
 
 def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
-          timeout: float | None, deadline: float | None = None, what: str = "allreduce"):
+          timeout: float | None, deadline: float | None = None, what: str = "allreduce",
+          borrow_scratch: bool = False):
     """Bind a plan for ``call``.
 
     ``explicit`` plans (``mar.plan``) take a slot of tags of their own, and native ones a
     communicator of their own; one-shot calls share slot 0 of the private duplicate.
-    ``persistent`` plans own their scratch and persistent requests (cached one-shot plans are);
-    the others borrow the communicator's scratch. ``timeout`` is the plan's default for its
+    ``persistent`` plans own persistent requests (cached one-shot plans are). Every plan owns
+    its scratch, except a blocking one-shot call's (``borrow_scratch``), which borrows the
+    communicator's: it runs to completion in the caller's thread before anything else can use
+    it (a request in flight has scratch of its own). ``timeout`` is the plan's default for its
     runs; ``deadline`` (time.monotonic) bounds the collective set-up a build may need.
     """
     private = state.private
@@ -121,7 +124,8 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)
     plan_steps = steps(name, rank, nranks, call.recv.size, topology, builder_params(name, call))
-    scratch = None if persistent else state.scratch_for(call.recv.dtype, scratch_size(plan_steps))
+    scratch = (state.scratch_for(call.recv.dtype, scratch_size(plan_steps)) if borrow_scratch
+               else None)
     tag_base = state.take_slot() if explicit else 0
     return Plan(private, plan_steps, call.send, call.recv, call.reducer, name,
                 persistent=persistent, scratch=scratch, timeout=timeout, state=state,
@@ -286,7 +290,8 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()
-    plan = build(call, state, explicit=False, persistent=False, timeout=None, deadline=deadline)
+    plan = build(call, state, explicit=False, persistent=False, timeout=None, deadline=deadline,
+                 borrow_scratch=True)
     try:
         return plan.run(timeout)
     finally:

@@ -50,33 +50,43 @@ BUSY_TESTS = 64
 SPIN_SECONDS = 2e-3
 
 
+def patience(deadline: float | None, spin: bool = True):
+    """Yield between the tests of a wait until ``deadline`` (time.monotonic; None: forever).
+
+    With ``spin``, yields at once for :data:`SPIN_SECONDS` while giving the core away
+    (``sched_yield``: cheap when nobody else wants it, fair when more ranks than cores share
+    it); then sleeps from 50 µs doubling to 1 ms between tests. A plain ``time.sleep`` of 1 µs
+    sleeps ~60-90 µs on Linux, which made every short wait with a timeout that slow.
+    """
+    now = time.monotonic()
+    if spin:
+        spin_until = now + SPIN_SECONDS if deadline is None else min(now + SPIN_SECONDS, deadline)
+        while now < spin_until:
+            os.sched_yield()
+            yield
+            now = time.monotonic()
+    pause = 5e-5
+    while deadline is None or now <= deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+        yield
+        now = time.monotonic()
+
+
 def poll(requests, deadline: float) -> bool:
     """Test ``requests`` until all complete (True) or ``deadline`` (time.monotonic) passes (False).
 
-    Tests :data:`BUSY_TESTS` times back to back, then spins for :data:`SPIN_SECONDS`, yielding
-    the core between tests (``sched_yield``: cheap when
-    nobody else wants it, fair when more ranks than cores share it), then sleeps from 50 µs up
-    to 1 ms between tests. A plain ``time.sleep`` of 1 µs sleeps ~60-90 µs on Linux, which made
-    every short wait with a timeout that slow.
+    Tests :data:`BUSY_TESTS` times back to back (a short collective completes within a few
+    tests), then at the pace of :func:`patience`.
     """
     testall = MPI.Request.Testall
-    for _ in range(BUSY_TESTS):  # a short collective completes within a few tests
+    for _ in range(BUSY_TESTS):
         if testall(requests):
             return True
-    now = time.monotonic()
-    spin_until = min(now + SPIN_SECONDS, deadline)
-    while now < spin_until:
-        os.sched_yield()
+    for _ in patience(deadline):
         if testall(requests):
             return True
-        now = time.monotonic()
-    pause = 5e-5
-    while not testall(requests):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-    return True
+    return testall(requests)
 
 
 def flat(array: np.ndarray) -> np.ndarray:
@@ -278,6 +288,9 @@ class _PlanBase:
         self._broken: str | None = None
         self._freed = False
         self._fast: tuple | None = None  # Plan: the run without deadline, flat (see _flatten)
+        self._in_flight = None  # the Request of a run started and not yet completed
+        self._request = None  # the Request of the last start()
+        self._parked: tuple | None = None  # _fast while a run is in flight
         self._requests: list = []  # every persistent request, for free() and the finalizer
         # A plan dropped without free() still releases its requests (and its own communicator);
         # not at interpreter exit, where MPI may already be finalized.
@@ -287,9 +300,11 @@ class _PlanBase:
         self._finalizer.atexit = False
 
     def _start(self, timeout: float | None) -> tuple[float | None, float | None]:
-        """Refuse a freed or broken plan; return the run's timeout and its deadline."""
+        """Refuse a freed, broken or running plan; return the run's timeout and its deadline."""
         if self._freed:
             raise ValueError("this plan has been freed")
+        if self._in_flight is not None:
+            self._refuse_in_flight("run() or start()")
         if self._broken:
             raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
         state = self._state
@@ -304,7 +319,24 @@ class _PlanBase:
         check_timeout(timeout)
         return timeout, time.monotonic() + timeout
 
-    def _fail(self, reason: str, pending=(), keep=()) -> None:
+    @staticmethod
+    def _refuse_in_flight(what: str) -> None:
+        raise ValueError(f"{what} on a plan with a run in flight (started and not yet "
+                         f"completed); wait() for its request first")
+
+    def _take_off(self, request) -> None:
+        """Mark a started run in flight: run(), start() and free() refuse until it lands."""
+        self._in_flight = request
+        self._parked, self._fast = self._fast, None  # the inline fast path checks nothing
+
+    def _land(self) -> None:
+        """The started run completed (or failed): the plan may run again."""
+        self._in_flight = None
+        if not self._freed and not self._broken:
+            self._fast = self._parked
+        self._parked = None
+
+    def fail(self, reason: str, pending=(), keep=()) -> None:
         """Mark the plan and its communicator unusable, then raise CollectiveTimeout.
 
         ``pending`` are requests MPI cannot cancel (collective ones); the state keeps them.
@@ -317,26 +349,29 @@ class _PlanBase:
             self._state.mark_broken(reason, list(pending), (self, *keep))
         raise CollectiveTimeout(f"{reason}; the plan is unusable now")
 
+    #: ``start(plan, timeout) -> Request``, attached by :mod:`mpiallreduce.nonblocking` (the
+    #: layer that owns progress), so that this transport layer imports nothing above it
+    _starter = None
+
     def start(self, timeout: float | None = None):
         """Start a run without waiting for it; return its :class:`mpiallreduce.Request`.
 
-        The run happens in the communicator's progress thread, in start order (see
+        Until the request completes, ``run()``, ``start()`` and ``free()`` raise ValueError (see
         :func:`mpiallreduce.start`); ``wait()`` on the request, or on the plan, returns the result.
         """
-        from .nonblocking import start
-
-        self._request = start(self, timeout)
+        self._request = self._starter(self, timeout)
         return self._request
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
         """Wait for the run :meth:`start` began and return the result buffer."""
-        request = getattr(self, "_request", None)
-        if request is None:
+        if self._request is None:
             raise ValueError("wait() on a plan that was never started; call start() first")
-        return request.wait(timeout)
+        return self._request.wait(timeout)
 
     def free(self) -> None:
-        """Release the plan's persistent requests (idempotent)."""
+        """Release the plan's persistent requests (idempotent; refused while a run is in flight)."""
+        if self._in_flight is not None:
+            self._refuse_in_flight("free()")
         if not self._freed:
             self._freed = True
             self._fast = None
@@ -542,16 +577,32 @@ class Plan(_PlanBase):
                 call()
             return self.recvbuf
         if timeout is None and self.timeout is None and not self._freed and not self._broken \
-                and (state is None or not state.broken):
+                and self._in_flight is None and (state is None or not state.broken):
             deadline = None
         else:
             timeout, deadline = self._start(timeout)
+        waitall = MPI.Request.Waitall
+        for requests, bound in self.steps():
+            if deadline is None:
+                waitall(requests)
+            elif not poll(requests, deadline):
+                self.expire(requests, bound, timeout)
+        return self.recvbuf
+
+    def steps(self):
+        """Run once, step by step: yield each step's ``(requests, bound step)`` once posted.
+
+        The caller resumes the generator only when those requests have completed (waited,
+        polled or tested: :meth:`run`, or a non-blocking request in
+        :mod:`mpiallreduce.nonblocking`). The order is :meth:`_flatten`'s: per step its copies,
+        its requests started, the previous step's deferred combines, then (after the yield) its
+        combines.
+        """
         for call in self._first:
             call()
         pending = ()  # combines of a step that wait until the next step's messages are posted
-        startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
-        # one tuple per step, bound at plan time (self._program); without a deadline a
-        # persistent plan took the flat path above
+        startall = MPI.Prequest.Startall
+        # one tuple per step, bound at plan time (self._program)
         for before, requests, combines, defer, bound in self._program:
             for call in before:
                 call()
@@ -561,10 +612,7 @@ class Plan(_PlanBase):
                 startall(requests)
             for call in pending:  # overlaps this step's transfers
                 call()
-            if deadline is None:
-                waitall(requests)
-            elif not poll(requests, deadline):
-                self._expire(requests, bound, timeout)
+            yield requests, bound
             if defer:
                 pending = combines
             else:
@@ -575,7 +623,6 @@ class Plan(_PlanBase):
             call()
         for call in self._last:
             call()
-        return self.recvbuf
 
     __call__ = run
 
@@ -584,7 +631,7 @@ class Plan(_PlanBase):
         return ([self.comm.Irecv(view, peer, tag) for peer, view in bound.recvs]
                 + [self.comm.Isend(view, peer, tag) for peer, view in bound.sends])
 
-    def _expire(self, requests, bound: _BoundStep, timeout: float) -> None:
+    def expire(self, requests, bound: _BoundStep, timeout: float) -> None:
         """Give up on a step past its deadline: cancel its receives, mark the plan, raise."""
         nrecv = len(bound.recvs)
         waiting = sorted({peer for (peer, _), request in zip(bound.recvs, requests[:nrecv])
@@ -596,7 +643,7 @@ class Plan(_PlanBase):
                 request.Cancel()
                 request.Test()  # completes the cancel if it took
         peers = ", ".join(map(str, waiting or unsent))
-        self._fail(f"{self._label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} "
+        self.fail(f"{self._label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} "
                    f"in step {bound.index} within {timeout:g} s (a rank did not make this call, "
                    f"or ranks run plans or calls on this communicator in different orders)",
                    keep=(requests,))
@@ -626,8 +673,23 @@ class NativePlan(_PlanBase):
                         for start, stop in segments(0, self._result.size, MAX_MESSAGE)
                         if stop > start]
         self._op = reducer.mpi_op
+        self._persistent: list | None = None  # MPI's persistent requests, made on first start
         if len(self.pieces) == 1 and not self._average:  # the run without deadline: one call
             self._fast = (partial(comm.Allreduce, *self.pieces[0], self._op),)
+
+    def persistent_requests(self) -> list:
+        """MPI's own persistent ``Allreduce_init`` requests, one per piece, made on the first
+        call (collective: the plan's first start happens at the same point on every rank)."""
+        if self._persistent is None:
+            self._persistent = [self.comm.Allreduce_init(send, recv, self._op)
+                                for send, recv in self.pieces]
+            self._requests.extend(self._persistent)
+        return self._persistent
+
+    def average(self) -> None:
+        """Divide the result by p where the op is AVG (after a run of MPI's SUM)."""
+        if self._average:
+            np.divide(self._result, self._nranks, out=self._result)
 
     @property
     def nbytes(self) -> int:
@@ -648,12 +710,11 @@ class NativePlan(_PlanBase):
                 continue
             request = comm.Iallreduce(send, recv, op)
             if not poll([request], deadline):
-                self._fail(f"native allreduce on rank {comm.Get_rank()}: not complete within "
+                self.fail(f"native allreduce on rank {comm.Get_rank()}: not complete within "
                            f"{timeout:g} s (a rank did not make this call, or ranks run plans or "
                            f"calls on this communicator in different orders; MPI does not say "
                            f"which rank is missing)", [request])
-        if self._average:
-            np.divide(self._result, self._nranks, out=self._result)
+        self.average()
         return self.recvbuf
 
     __call__ = run

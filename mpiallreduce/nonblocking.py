@@ -3,27 +3,36 @@
 What runs where:
 
 - **In the caller's thread, at the call**: the local checks, the agreement check (``check=True``)
-  and binding the plan (a slot of tags of its own, scratch of its own). These are collective and
-  happen in call order on every rank, as the ordering rule requires. ``algorithm="native"`` (and
-  ``auto`` where it picks native) starts MPI's own ``Iallreduce`` here, on the communicator's
-  private duplicate, in call order.
-- **In one progress thread per communicator**: the schedule's ``run()``, queued first in, first
-  out, so runs start in call order on every rank; for native requests, the ``Wait`` that drives
-  MPI's progress engine. The thread exits after :data:`IDLE_SECONDS` without work and is
-  started again by the next request.
-- **In the caller's thread, at ``wait()``**: nothing but waiting for the thread's event (the
-  result is ready then); an exception raised in the thread (``CollectiveTimeout`` etc.) is
-  raised here, again on every later ``wait()``.
+  and binding the plan (a slot of tags of its own and scratch of its own: nothing a blocking
+  call uses meanwhile). These are collective and happen in call order on every rank, as the
+  ordering rule requires.
+- **MPI's own collective** (``algorithm="native"``, and ``auto`` where it picks native): the
+  request *is* MPI's, started at the call (``Iallreduce`` on a duplicate kept for non-blocking
+  collectives; ``start`` of a native plan: the plan's persistent ``Allreduce_init`` request).
+  ``test()``/``wait()`` call MPI's ``Test``/``Wait`` in the caller's thread; no thread is
+  involved, so the call costs about what MPI's costs.
+- **A schedule**: its run is a generator of steps (:meth:`~mpiallreduce.executor.Plan.steps`).
+  The call posts the first step; every ``test()``, ``wait()`` and later start on the same
+  communicator advances every run in flight there as far as it goes without blocking (a run
+  never waits for a later one, so waits in any order complete). With ``MPI_THREAD_MULTIPLE``
+  (mpi4py's default) one progress thread per communicator also advances them while the caller
+  is elsewhere (computing, or blocked in another collective that a peer reaches only after
+  waiting): it sleeps while nothing is in flight, and polls at a backing-off pace (50 µs up to
+  :data:`PAUSE_MAX`) while something is, so it never spins against the caller's computation.
+  Whichever thread completes a step runs its combines; the engine's lock keeps them apart.
+- **Deadlines and failures** are decided in the caller's thread: ``wait(timeout)`` raises
+  :class:`CollectiveTimeout` and leaves the request in flight; a run past its own ``timeout=``
+  (given to ``iallreduce``/``start``) is abandoned there, in the caller's thread, which marks
+  the communicator unusable (so no other thread ever frees plans the caller may be running).
 
-The thread needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default). Under a lower level
-(``mpi4py.rc.thread_level``) there is no thread: queued runs execute, in call order, when
-``wait()`` or ``test()`` is called on any request of that communicator, and native requests are
-progressed by MPI alone (``test()``/``wait()`` call ``Test``/``Wait``).
+Below ``MPI_THREAD_MULTIPLE`` (``mpi4py.rc.thread_level``) there is no thread: schedules progress
+only inside ``start``, ``test`` and ``wait``; wait for a request before a blocking call that a
+peer may reach only after waiting for it.
 """
 
 from __future__ import annotations
 
-import collections
+import itertools
 import threading
 import time
 import weakref
@@ -36,15 +45,17 @@ from ._agree import prepare
 from ._checks import allreduce_call
 from ._state import state as comm_state
 from .errors import CollectiveTimeout
-from .executor import MAX_MESSAGE, flat, poll
+from .executor import BUSY_TESTS, MAX_MESSAGE, NativePlan, _PlanBase, check_timeout, flat, patience
 from .partition import segments
 
+#: longest pause (seconds) of the progress thread between polls while runs are in flight.
+PAUSE_MAX = 1e-3
 #: seconds a progress thread waits for work before it exits (the next request starts another).
 IDLE_SECONDS = 1.0
 
 
 def threaded() -> bool:
-    """Whether requests progress in a thread (MPI was initialised with MPI_THREAD_MULTIPLE)."""
+    """Whether schedules also progress in a thread (MPI was initialised with THREAD_MULTIPLE)."""
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
@@ -55,27 +66,22 @@ class Request:
     called again after completion: they return the same result (or raise the same exception).
     """
 
-    def __init__(self, result, worker, finish=None):
+    def __init__(self, result, work=None, finish=None):
         self._result = result
-        self._worker = worker
-        self._finish = finish  # run in the caller's thread once, after completion (AVG division)
-        self._event = threading.Event()
+        self._work = work  # None once complete: see _NativeWork and _Run
+        self._finish = finish  # run once in the caller's thread on completion (AVG, plan landing)
         self._error: BaseException | None = None
-
-    def _complete(self, error: BaseException | None = None) -> None:
-        self._error = error
-        self._event.set()
+        if work is None:
+            self._settle()
 
     @property
     def done(self) -> bool:
         """True once the collective has completed (or failed); does not drive progress."""
-        return self._event.is_set()
+        return self._work is None
 
     def test(self) -> bool:
         """Return True if complete (raising its exception if it failed), else False at once."""
-        if not self._event.is_set():
-            self._worker.drive(self, block=False)
-        if not self._event.is_set():
+        if self._work is not None and not self._progress(None, block=False):
             return False
         self._outcome()
         return True
@@ -88,194 +94,295 @@ class Request:
                 :class:`CollectiveTimeout`; the request is still in flight and may be waited
                 again (the communicator is not marked unusable by this wait alone).
         """
-        if not self._event.is_set():
-            self._worker.drive(self, block=True)
-            if not self._event.wait(timeout):
+        if self._work is not None:
+            check_timeout(timeout)
+            until = None if timeout is None else time.monotonic() + timeout
+            if not self._progress(until, block=True):
                 raise CollectiveTimeout(
                     f"request not complete within {timeout:g} s; it is still in flight (a rank "
                     f"has not made the matching call, or is slow): wait again, or Abort")
         return self._outcome()
 
+    def _progress(self, until, block: bool) -> bool:
+        try:
+            if not (self._work.complete(until) if block else self._work.test()):
+                return False
+        except Exception as exc:  # noqa: BLE001 - the request failed: kept for every wait()
+            self._error = exc
+        self._work = None
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish(self._error is None)
+
     def _outcome(self):
         if self._error is not None:
             raise self._error
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
         return self._result
 
 
-class _Worker:
-    """The progress of one communicator: a FIFO of jobs and (threaded) the thread running them.
+# -- MPI's own non-blocking and persistent collectives ---------------------------------------------
 
-    A job returns the result array when complete, or False when a non-blocking test found it
-    incomplete (unthreaded mode only).
+class _NativeWork:
+    """MPI requests: tested and waited in the caller's thread, polled when a deadline is set.
+
+    ``deadline`` (time.monotonic) is the run's own, from ``timeout=``: past it, ``fail(reason,
+    requests)`` marks the communicator unusable and raises.
     """
 
+    def __init__(self, requests: list, deadline: float | None, timeout, fail, where: str):
+        self.requests, self.deadline, self.timeout, self.fail = requests, deadline, timeout, fail
+        self.where = where
+
+    def test(self) -> bool:
+        if MPI.Request.Testall(self.requests):
+            return True
+        self._check_deadline()
+        return False
+
+    def complete(self, until: float | None) -> bool:
+        stop = _earliest(until, self.deadline)
+        if stop is None:
+            MPI.Request.Waitall(self.requests)
+            return True
+        testall = MPI.Request.Testall
+        for _ in itertools.chain(range(BUSY_TESTS), patience(stop)):
+            if testall(self.requests):
+                return True
+        self._check_deadline()
+        return False
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.fail(f"{self.where}: not complete within {self.timeout:g} s (a rank did not "
+                      f"make this call, or ranks run calls on this communicator in different "
+                      f"orders; MPI does not say which rank is missing)", self.requests)
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+# -- schedules: runs progressed step by step -------------------------------------------------------
+
+class _Run:
+    """A schedule plan's run in flight: its step generator and the requests it waits on."""
+
+    def __init__(self, engine: _Engine, plan, timeout: float | None, owned: bool):
+        self.engine, self.plan, self.owned = engine, plan, owned
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.steps = plan.steps()
+        self.requests = self.bound = None
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def advance(self) -> int:
+        """Run steps whose requests completed, post the next ones; never blocks (engine lock
+        held). Return how many steps moved."""
+        moved = 0
+        try:
+            while self.requests is None or MPI.Request.Testall(self.requests):
+                self.requests, self.bound = next(self.steps)
+                moved += 1
+        except StopIteration:
+            self._end()
+        except Exception as exc:  # noqa: BLE001 - a user op raised: handed to wait()
+            self.error = exc
+            self._end()
+        return moved
+
+    def _end(self) -> None:
+        self.finished = True
+        self.requests = None
+        if self.owned:
+            self.plan.free()
+
+    # what Request calls, in the caller's thread
+
+    def test(self) -> bool:
+        with self.engine.lock:
+            self.engine.progress()
+            if not self.finished:
+                self._check_deadline()
+        return self._result()
+
+    def complete(self, until: float | None) -> bool:
+        engine = self.engine
+        stop = _earliest(until, self.deadline)
+        for _ in itertools.chain(range(BUSY_TESTS), patience(stop)):
+            with engine.lock:
+                engine.progress()
+                while not self.finished and stop is None and engine.runs == [self]:
+                    # alone and without deadline: block in MPI, as a blocking run does
+                    MPI.Request.Waitall(self.requests)
+                    self.advance()
+                if self.finished:
+                    return self._result()
+        with engine.lock:
+            engine.progress()
+            if not self.finished:
+                self._check_deadline()
+        return self._result()
+
+    def _result(self) -> bool:
+        if self.finished and self.error is not None:
+            raise self.error
+        return self.finished
+
+    def _check_deadline(self) -> None:
+        """Past the run's own deadline: abandon it (engine lock held, caller's thread)."""
+        if self.deadline is None or time.monotonic() <= self.deadline:
+            return
+        self.engine.runs.remove(self)
+        self.finished = True
+        self.steps.close()
+        self.plan.expire(self.requests, self.bound, self.timeout)  # marks broken and raises
+
+
+class _Engine:
+    """The runs in flight on one private communicator, and (threaded) the thread polling them."""
+
     def __init__(self):
-        self.cond = threading.Condition()
-        self.jobs: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.runs: list[_Run] = []
         self.thread: threading.Thread | None = None
         self.threaded = threaded()
-        self.busy = threading.Lock()  # unthreaded: one caller drives the queue at a time
 
-    def submit(self, request: Request, job) -> None:
-        with self.cond:
-            self.jobs.append((request, job))
-            if not self.threaded:
+    def submit(self, run: _Run) -> None:
+        """Post the run's first step, then let the thread (if any) progress it."""
+        with self.lock:
+            self.runs.append(run)
+            self.progress()
+            if run.finished or not self.threaded:
                 return
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="mpiallreduce-progress",
                                                daemon=True)
                 self.thread.start()
             else:
-                self.cond.notify()
+                self.wake.notify()
+
+    def progress(self) -> int:
+        """Advance every run in flight, in start order, without blocking (lock held)."""
+        moved = 0
+        for run in list(self.runs):
+            moved += run.advance()
+            if run.finished:
+                self.runs.remove(run)
+        return moved
 
     def _loop(self) -> None:
+        pause = 5e-5
         while True:
-            with self.cond:
-                if not self.jobs:
-                    self.cond.wait(IDLE_SECONDS)
-                if not self.jobs:
-                    self.thread = None  # the next submit starts a new thread
-                    return
-                request, job = self.jobs.popleft()
-            _execute(request, job)
-
-    def drive(self, request: Request, block: bool) -> None:
-        """Unthreaded: run queued jobs in order up to ``request``.
-
-        ``test()`` (``block=False``) only tests a native request at the head of the queue; a
-        queued schedule run ahead of it runs to completion (it has no non-blocking form).
-        """
-        if self.threaded:
-            return
-        with self.busy:
-            while not request.done:
-                with self.cond:
-                    if not self.jobs:
+            with self.lock:
+                if not self.runs:
+                    self.wake.wait(IDLE_SECONDS)
+                    if not self.runs:
+                        self.thread = None  # the next submit starts a new thread
                         return
-                    queued, job = self.jobs[0]
-                if not block and isinstance(job, _NativeWait) and not job.test():
-                    return
-                with self.cond:
-                    self.jobs.popleft()
-                _execute(queued, job)
+                    pause = 5e-5
+                moved = self.progress()
+            pause = 5e-5 if moved else min(pause * 2, PAUSE_MAX)
+            time.sleep(pause)
 
 
-def _execute(request: Request, job) -> None:
-    try:
-        result = job()
-    except BaseException as exc:  # noqa: BLE001 - handed to wait(), whatever it is
-        request._complete(exc)
-        return
-    request._result = result
-    request._complete()
+_ENGINES: dict = {}
+_ENGINES_LOCK = threading.Lock()
 
 
-_WORKERS: dict = {}
-_WORKERS_LOCK = threading.Lock()
-
-
-def _worker(comm: MPI.Comm) -> _Worker:
-    """The worker of a private communicator (one per communicator object, dropped with it)."""
+def _engine(comm: MPI.Comm) -> _Engine:
+    """The engine of a private communicator (one per communicator object, dropped with it)."""
     key = id(comm)
-    with _WORKERS_LOCK:
-        found = _WORKERS.get(key)
+    with _ENGINES_LOCK:
+        found = _ENGINES.get(key)
         if found is None or found[0]() is not comm:
-            found = (weakref.ref(comm, lambda _: _WORKERS.pop(key, None)), _Worker())
-            _WORKERS[key] = found
+            found = (weakref.ref(comm, lambda _: _ENGINES.pop(key, None)), _Engine())
+            _ENGINES[key] = found
         return found[1]
 
 
-def _run_job(plan, timeout, owned: bool):
-    def job():
-        try:
-            return plan.run(timeout)
-        finally:
-            if owned:
-                plan.free()
-    return job
+def _schedule_request(plan, timeout, owned: bool, finish=None) -> Request:
+    engine = _engine(plan.comm)
+    run = _Run(engine, plan, timeout, owned)
+    request = Request(plan.recvbuf, run, finish)
+    engine.submit(run)
+    return request
 
 
-class _NativeWait:
-    """Wait for (or test) native requests, polled up to a deadline when a timeout is set."""
-
-    def __init__(self, requests, state, timeout, result):
-        self.requests, self.state, self.timeout, self.result = requests, state, timeout, result
-
-    def __call__(self):
-        if self.timeout is None:
-            MPI.Request.Waitall(self.requests)
-            return self.result
-        if not poll(self.requests, time.monotonic() + self.timeout):
-            reason = (f"native iallreduce on rank {self.state.private.Get_rank()}: not complete "
-                      f"within {self.timeout:g} s (MPI does not say which rank is missing)")
-            self.state.mark_broken(reason, list(self.requests))
-            raise CollectiveTimeout(reason)
-        return self.result
-
-    def test(self) -> bool:
-        return MPI.Request.Testall(self.requests)
-
+# -- the public calls ------------------------------------------------------------------------------
 
 def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
                check=True, timeout=None, **params) -> Request:
     """Start an allreduce and return a :class:`Request`; ``wait()`` returns the result.
 
     Arguments as :func:`mpiallreduce.allreduce`; ``timeout`` bounds the set-up and the run.
-    The checks and the plan's binding happen now, in the caller's thread and in call order; the
-    run happens in the communicator's progress thread (module docstring). Do not touch
-    ``recvbuf`` (or write ``sendbuf``) until the request completes. Requests and blocking
-    calls on one communicator are issued in the same order on every rank.
+    The checks and the plan's binding happen now, in the caller's thread and in call order;
+    how the run progresses is in the module docstring. Do not touch ``recvbuf`` (or write
+    ``sendbuf``) until the request completes. Requests and blocking calls on one communicator
+    are issued in the same order on every rank.
     """
     call = prepare("iallreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
-    state = comm_state(call.comm)
-    worker = _worker(state.private)
     if call.recv.size == 0:
-        request = Request(call.recv, worker)
-        request._complete()
-        return request
-    private = state.private
-    if _plans.resolve(call, private.Get_size()) == "native":
+        return Request(call.recv)
+    state = comm_state(call.comm)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if _plans.resolve(call, state.private.Get_size()) == "native":
         private = state.nonblocking_comm(timeout, "iallreduce")
         result = flat(call.recv)
         send = None if call.send is None else flat(call.send)
         requests = [private.Iallreduce(MPI.IN_PLACE if send is None else send[lo:hi],
                                        result[lo:hi], call.reducer.mpi_op)
                     for lo, hi in segments(0, result.size, MAX_MESSAGE) if hi > lo]
-        finish = None
-        if call.reducer.average:
-            finish = lambda: np.divide(result, private.Get_size(), out=result)
-        request = Request(call.recv, worker, finish)
-        worker.submit(request, _NativeWait(requests, state, timeout, call.recv))
-        return request
-    deadline = None if timeout is None else time.monotonic() + timeout
+
+        def fail(reason, pending):
+            state.mark_broken(reason, list(pending), (call,))
+            raise CollectiveTimeout(reason)
+
+        def finish(ok):
+            if ok and call.reducer.average:
+                np.divide(result, private.Get_size(), out=result)
+
+        where = f"native iallreduce on rank {private.Get_rank()}"
+        return Request(call.recv, _NativeWork(requests, deadline, timeout, fail, where), finish)
     plan = _plans.build(call, state, explicit=True, persistent=False, timeout=timeout,
                         deadline=deadline, what="iallreduce")
-    request = Request(call.recv, worker)
-    worker.submit(request, _run_job(plan, timeout, owned=True))
-    return request
+    return _schedule_request(plan, timeout, owned=True)
 
 
 def start(plan, timeout: float | None = None) -> Request:
     """Start a persistent plan (from :func:`mpiallreduce.plan`) without waiting for it.
 
-    The run happens in the progress thread of the plan's communicator, in start order;
-    ``wait()`` returns the plan's result buffer (a freed or unusable plan raises there). A plan
-    cannot be started again before its request completes. Start plans in the same order on
-    every rank.
+    A native plan starts MPI's persistent request (``Allreduce_init``, made on the first start);
+    a schedule posts its first step and progresses as the module docstring says. ``wait()``
+    returns the plan's result buffer. Until the request completes, ``run()``, ``start()`` and
+    ``free()`` on the plan raise ValueError. Start plans in the same order on every rank.
     """
-    pending = _RUNNING.get(plan)
-    if pending is not None and not pending.done:
-        raise ValueError("this plan is still running; wait() for its request before "
-                         "starting it again")
-    worker = _worker(plan.comm)
-    request = Request(plan.recvbuf, worker)
-    _RUNNING[plan] = request
-    worker.submit(request, _run_job(plan, timeout, owned=False))
+    timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
+    if isinstance(plan, NativePlan):
+        requests = plan.persistent_requests()
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def finish(ok):
+            plan._land()
+            if ok:
+                plan.average()
+
+        plan._take_off(True)
+        MPI.Prequest.Startall(requests)
+        where = f"native allreduce (started) on rank {plan.comm.Get_rank()}"
+        request = Request(plan.recvbuf, _NativeWork(requests, deadline, timeout, plan.fail, where),
+                          finish)
+    else:
+        plan._take_off(True)
+        request = _schedule_request(plan, timeout, owned=False, finish=lambda ok: plan._land())
+    plan._in_flight = request
     return request
 
 
-_RUNNING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PlanBase._starter = staticmethod(start)

@@ -79,23 +79,11 @@ def test_persistent_plan_started_repeatedly(comm, algorithm):
             assert_matches_native(comm, x, out, MPI.SUM)
 
 
-def test_a_running_plan_cannot_start_again(comm):
-    with mar.plan(np.ones(4), np.empty(4), comm=comm, algorithm="ring") as plan:
-        # a request that has not completed stands for the run in flight (no race)
-        nonblocking._RUNNING[plan] = nonblocking.Request(None, nonblocking._worker(plan.comm))
-        with pytest.raises(ValueError, match="still running"):
-            mar.start(plan)
-        del nonblocking._RUNNING[plan]
-        assert mar.start(plan).wait()[0] == comm.size
-
-
-def test_a_freed_plan_raises_from_wait(comm):
+def test_a_freed_plan_refuses_to_start(comm):
     plan = mar.plan(np.ones(4), np.empty(4), comm=comm, algorithm="ring")
     plan.free()
-    request = mar.start(plan)
-    for _ in range(2):  # the same exception again
-        with pytest.raises(ValueError, match="freed"):
-            request.wait()
+    with pytest.raises(ValueError, match="freed"):
+        mar.start(plan)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -124,10 +112,10 @@ def test_wait_with_a_timeout_leaves_the_request_in_flight(comm):
 
 
 @pytest.mark.parametrize("algorithm", ["native", "ring"])
-def test_without_a_progress_thread_runs_happen_at_wait(comm, algorithm):
+def test_without_a_progress_thread_runs_progress_in_test_and_wait(comm, algorithm):
     mar.allreduce(np.zeros(1), comm=comm)  # makes the communicator's state
-    worker = nonblocking._worker(_state.existing(comm).private)
-    worker.threaded = False
+    engine = nonblocking._engine(_state.existing(comm).private)
+    engine.threaded = False
     try:
         inputs = [contribution(comm, 40, "float64", seed=s) for s in range(3)]
         requests = [mar.iallreduce(x, comm=comm, algorithm=algorithm) for x in inputs]
@@ -135,7 +123,7 @@ def test_without_a_progress_thread_runs_happen_at_wait(comm, algorithm):
         for i in (1, 2, 0):
             assert_matches_native(comm, inputs[i], requests[i].wait(), MPI.SUM)
     finally:
-        worker.threaded = True
+        engine.threaded = True
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "native"])
@@ -151,3 +139,65 @@ def test_plan_start_and_wait_methods(algorithm):
             request = p.start()
             assert p.wait() is out and request.wait() is out
             assert_matches_native(comm, x, out, MPI.SUM)
+
+
+# -- issue 25: concurrency ----------------------------------------------------------------------
+
+def _ordered_sum(comm):
+    """A user op (so uncached calls take the shared-scratch path before the fix)."""
+    return MPI.Op.Create(lambda a, b, t: np.add(np.frombuffer(a, "f8"), np.frombuffer(b, "f8"),
+                                                out=np.frombuffer(b, "f8")), commute=True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+def test_a_request_in_flight_and_a_blocking_call_never_share_scratch(comm, algorithm):
+    # Before the fix an iallreduce borrowed the communicator's scratch, which the blocking call
+    # below (user op, recvbuf=None: uncached) used at the same time: 14-18 wrong sums in 40.
+    op = _ordered_sum(comm)
+    try:
+        for round_ in range(40):
+            x = contribution(comm, 5000, "float64", seed=round_)
+            y = contribution(comm, 5000, "float64", seed=100 + round_)
+            request = mar.iallreduce(x, op=op, comm=comm, algorithm=algorithm)
+            blocking = mar.allreduce(y, op=op, comm=comm, algorithm=algorithm)
+            assert_matches_native(comm, y, blocking, MPI.SUM)
+            assert_matches_native(comm, x, request.wait(), MPI.SUM)
+    finally:
+        op.Free()
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree"])
+def test_a_plan_in_flight_refuses_run_start_and_free(comm, algorithm):
+    x = contribution(comm, 64, "float64")
+    out = np.empty_like(x)
+    plan = mar.plan(x, out, comm=comm, algorithm=algorithm)
+    request = plan.start()
+    for call in (plan.run, plan.start, plan.free, lambda: mar.start(plan)):
+        with pytest.raises(ValueError, match="in flight"):
+            call()
+    assert request.wait() is out
+    assert_matches_native(comm, x, out, MPI.SUM)
+    out.fill(np.nan)
+    assert plan.run() is out  # usable again once waited
+    assert_matches_native(comm, x, out, MPI.SUM)
+    plan.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_timeout_marks_the_communicator_in_the_callers_thread(comm, monkeypatch):
+    # The progress thread must never drop (free) cached plans the caller's thread may be
+    # running: every mark_broken happens in the thread that called wait().
+    mar.allreduce(np.zeros(1), comm=comm)
+    state = _state.existing(comm)
+    threads = []
+    original = state.mark_broken
+    monkeypatch.setattr(state, "mark_broken", lambda *a, **k: (
+        threads.append(__import__("threading").current_thread()), original(*a, **k))[1])
+    if comm.rank == 0:  # the others never make the call
+        request = mar.iallreduce(np.ones(8), comm=comm, algorithm="ring", check=False,
+                                 timeout=0.3)
+        with pytest.raises(mar.CollectiveTimeout, match="no answer"):
+            request.wait()
+        assert threads and all(t is __import__("threading").main_thread() for t in threads)
+    comm.Barrier()

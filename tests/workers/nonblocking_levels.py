@@ -1,0 +1,103 @@
+"""Non-blocking requests at a given MPI thread level (the progress rules of issue 25).
+
+Run as ``mpirun -n 2 python -m mpi4py nonblocking_levels.py LEVEL`` with LEVEL one of
+``single``, ``serialized``, ``multiple`` (``mpi4py.rc.thread_level``). Every rank prints
+``OK <case>`` or ``FAIL <case>: <why>`` per case, then ``DONE``. Ranks other than 0 join each
+case a second late, so rank 0's calls meet a collective its peers have not started.
+"""
+
+import sys
+import time
+
+import mpi4py
+
+mpi4py.rc.thread_level = sys.argv[1]
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpiallreduce as mar  # noqa: E402
+
+LATE = 1.0  # seconds the other ranks arrive after rank 0
+
+
+def late(comm) -> None:
+    if comm.rank != 0:
+        time.sleep(LATE)
+
+
+def expected(comm, count: int) -> np.ndarray:
+    return sum(np.arange(count, dtype=np.float64) + r for r in range(comm.size))
+
+
+def never_blocks(comm, algorithm):
+    """test() on a request whose peers have not started returns False at once."""
+    x = np.arange(1000, dtype=np.float64) + comm.rank
+    late(comm)
+    request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
+    first = request.test()
+    out = request.wait()
+    if comm.rank == 0 and first:
+        return "test() returned True before the other ranks had started (it blocked)"
+    if not np.array_equal(out, expected(comm, 1000)):
+        return "wrong sum"
+    return None
+
+
+def wait_honours_its_timeout(comm, algorithm):
+    """wait(timeout) raises CollectiveTimeout and leaves the request in flight."""
+    x = np.arange(1000, dtype=np.float64) + comm.rank
+    late(comm)
+    request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
+    raised = False
+    if comm.rank == 0:
+        try:
+            request.wait(timeout=0.1)
+        except mar.CollectiveTimeout as exc:
+            raised = "still in flight" in str(exc)
+    out = request.wait()
+    if comm.rank == 0 and not raised:
+        return "wait(timeout=0.1) did not raise CollectiveTimeout while the peers were late"
+    if not np.array_equal(out, expected(comm, 1000)):
+        return "wrong sum"
+    return None
+
+
+def blocking_call_between(comm, algorithm):
+    """A blocking call while a request is in flight, waited in different orders by rank."""
+    x = np.arange(1000, dtype=np.float64) + comm.rank
+    y = np.arange(10, dtype=np.float64) + comm.rank
+    request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
+    if comm.rank == 0:
+        blocking = mar.allreduce(y, comm=comm, algorithm="ring", check=False)
+        out = request.wait()
+    else:
+        out = request.wait()
+        blocking = mar.allreduce(y, comm=comm, algorithm="ring", check=False)
+    if not (np.array_equal(out, expected(comm, 1000))
+            and np.array_equal(blocking, expected(comm, 10))):
+        return "wrong sum"
+    return None
+
+
+CASES = [never_blocks, wait_honours_its_timeout]
+
+
+def main():
+    comm = MPI.COMM_WORLD
+    mar.allreduce(np.zeros(1), comm=comm)  # the communicator's set-up is collective
+    cases = CASES + ([blocking_call_between] if sys.argv[1] == "multiple" else [])
+    for case in cases:
+        for algorithm in ("ring", "native"):
+            name = f"{case.__name__}[{algorithm}]"
+            try:
+                failure = case(comm, algorithm)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                failure = f"{type(exc).__name__}: {exc}"
+            print(f"FAIL {name}: {failure}" if failure else f"OK {name}", flush=True)
+            comm.Barrier()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
