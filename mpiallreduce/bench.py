@@ -122,10 +122,15 @@ def default_iterations(size: int) -> tuple[int, int]:
     return iterations, max(1, iterations // 10)
 
 
-#: how an algorithm is called: a plan's run(), or the one-shot function with or without the check.
-APIS = ("plan", "call", "call-nocheck")
+#: how an algorithm is called: a plan's run(), the one-shot function with or without the check,
+#: a plan's start().wait(), the one-shot iallreduce(...).wait(), and through the drop-in
+#: ``mar.Comm``: its Allreduce, and its Allreduce_init's Start + Wait.
+APIS = ("plan", "call", "call-nocheck", "start", "iallreduce", "comm", "comm-init")
 #: the label of mpi4py's own ``comm.Allreduce``, timed beside the one-shot calls.
 MPI_CALL = "comm.Allreduce"
+#: the label of MPI's own persistent request (``comm.Allreduce_init``: Start + Wait), timed
+#: beside the persistent and non-blocking modes.
+MPI_INIT = "comm.Allreduce_init"
 
 
 def parse_apis(text: str) -> list[str]:
@@ -194,9 +199,13 @@ def build_parser(printing: bool = True) -> _Parser:
     parser.add_argument("--api", default="plan", metavar="LIST",
                         help="comma list of how each algorithm is called: plan (mar.plan(...).run()),"
                              " call (mar.allreduce(...), one-shot, check=True), call-nocheck "
-                             "(mar.allreduce(..., check=False)); with a call mode, comm.Allreduce "
-                             "itself is timed too, and rows of a call mode are named "
-                             "ALGORITHM/MODE (default: plan)")
+                             "(mar.allreduce(..., check=False)), start (plan.start().wait()), "
+                             "iallreduce (mar.iallreduce(...).wait()), comm (mar.Comm(comm, "
+                             "algorithm).Allreduce), comm-init (mar.Comm's Allreduce_init: Start + "
+                             "Wait); with a mode other than plan, comm.Allreduce itself is timed "
+                             "too (and comm.Allreduce_init's Start + Wait beside start, iallreduce "
+                             "and comm-init), and rows of a mode are named ALGORITHM/MODE "
+                             "(default: plan)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
                         help="measure every size R times, the algorithms interleaved in each round; "
                              "rows show the median and the spread across rounds, and the closing "
@@ -255,6 +264,8 @@ class Options:
         cases = [("native", "plan", "native")]  # the reference of vs_native, always first
         if any(api != "plan" for api in self.apis):
             cases.append((MPI_CALL, MPI_CALL, MPI_CALL))
+        if any(api in ("start", "iallreduce", "comm-init") for api in self.apis):
+            cases.append((MPI_INIT, MPI_INIT, MPI_INIT))
         return cases + [(name, api, name if api == "plan" else f"{name}/{api}")
                         for name in self.algorithms for api in self.apis
                         if (name, api) != ("native", "plan")]
@@ -418,20 +429,38 @@ class _Case:
         op = _op(opts.op)
         kwargs = dict(op=op, comm=comm, algorithm=algorithm, topology=topology)
         try:
-            plan = mar.plan(sendbuf, self.recv, check=True, **kwargs) if api == "plan" else None
+            plan = (mar.plan(sendbuf, self.recv, check=True, **kwargs)
+                    if api in ("plan", "start") else None)
         except ValueError as exc:
             return str(exc)
+        recv = self.recv
         if api == MPI_CALL:
             red = reducer(op, self.x.dtype)
-            run = lambda: comm.Allreduce(sendbuf, self.recv, red.mpi_op)
+            run = lambda: comm.Allreduce(sendbuf, recv, red.mpi_op)
+        elif api == MPI_INIT:
+            plan = comm.Allreduce_init(sendbuf, recv, reducer(op, self.x.dtype).mpi_op)
+            run = lambda: (plan.Start(), plan.Wait())
         elif api in ("call", "call-nocheck"):
             # the arguments spelled out, as a caller writes them (a **kwargs expansion per call
             # would cost more than the call path itself at 8 B)
-            recv, check = self.recv, api == "call"
+            check = api == "call"
             run = lambda: mar.allreduce(sendbuf, recv, op, comm, algorithm, topology, check)
+        elif api == "start":
+            run = lambda: plan.start().wait()
+        elif api == "iallreduce":
+            run = lambda: mar.iallreduce(sendbuf, recv, op, comm, algorithm, topology).wait()
+        elif api in ("comm", "comm-init"):
+            try:
+                drop_in = mar.Comm(comm, algorithm, topology=topology)
+                if api == "comm-init":
+                    plan = drop_in.Allreduce_init(sendbuf, recv, op)
+            except ValueError as exc:
+                return str(exc)
+            run = ((lambda: drop_in.Allreduce(sendbuf, recv, op)) if api == "comm"
+                   else (lambda: (plan.Start(), plan.Wait())))
         else:
             run = plan.run
-        with plan if plan is not None else contextlib.nullcontext():
+        with _freeing(plan):
             # in place, every run reduces the last result again: values may overflow to inf,
             # which costs nothing and is never validated (the input is restored first)
             with np.errstate(all="ignore") if opts.in_place else contextlib.nullcontext():
@@ -443,11 +472,21 @@ class _Case:
                 else:
                     self.recv.fill(99)  # so a run that writes nothing cannot pass
                 run()
-                if api == MPI_CALL and reducer(op, self.x.dtype).average:
+                if api in (MPI_CALL, MPI_INIT) and reducer(op, self.x.dtype).average:
                     np.divide(self.recv, comm.size, out=self.recv)
                 ok = bool(np.array_equal(self.recv, self.ref))
         ok = comm.allreduce(ok, op=MPI.LAND)
         return seconds, ok
+
+
+@contextlib.contextmanager
+def _freeing(plan):
+    """Free a plan (or an MPI persistent request, or a mar.Comm request) after the block."""
+    try:
+        yield
+    finally:
+        if plan is not None:
+            (plan.free if hasattr(plan, "free") else plan.Free)()
 
 
 def _stats(comm, seconds: float) -> tuple[float, float, float] | None:
@@ -557,7 +596,7 @@ def _span(sizes: list[int]) -> str:
 def recommendations(rows: list[Row]) -> list[str]:
     """Per range of sizes, the fastest way to call (plan rows; median time), and whether it
     beats native by more than the spread measured."""
-    plans = [r for r in rows if r.algorithm != MPI_CALL and "/" not in r.algorithm]
+    plans = [r for r in rows if r.algorithm not in (MPI_CALL, MPI_INIT) and "/" not in r.algorithm]
     best: dict[int, Row] = {}
     for row in plans:
         if row.size not in best or row.avg_us < best[row.size].avg_us:
@@ -601,7 +640,7 @@ def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
             continue
         mean = sum(r.busbw_gbs for r in mine) / len(mine)
         line = f"# {name}: mean busbw {mean:.4f} GB/s over {len(mine)} size(s)"
-        if MPI_CALL in name or "/call" in name:
+        if "/" in name or name in (MPI_CALL, MPI_INIT):
             base = {r.size: r.avg_us for r in rows if r.algorithm == MPI_CALL}
             ratios = [f"{human(r.size)} {r.avg_us / base[r.size]:.2f}x" for r in mine
                       if r.size in base and name != MPI_CALL]
