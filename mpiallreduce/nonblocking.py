@@ -32,6 +32,7 @@ peer may reach only after waiting for it.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
@@ -45,7 +46,7 @@ from ._agree import prepare
 from ._checks import allreduce_call
 from ._state import state as comm_state
 from .errors import CollectiveTimeout
-from .executor import BUSY_TESTS, MAX_MESSAGE, NativePlan, _PlanBase, check_timeout, flat, patience
+from .executor import BUSY_TESTS, MAX_MESSAGE, NativePlan, _PlanBase, check_timeout, flat, patience, poll
 from .partition import segments
 
 #: longest pause (seconds) of the progress thread between polls while runs are in flight.
@@ -123,6 +124,34 @@ class Request:
             raise self._error
         return self._result
 
+    def __del__(self):
+        # Dropped in flight. A schedule's run stays with its engine, which completes it; MPI's
+        # own requests may not be freed while active (MPI-4 §6.12), so they and their buffers
+        # are kept until they complete (tested at the next start, waited at exit).
+        work = self._work
+        if isinstance(work, _NativeWork):
+            _DROPPED.append(work)
+
+
+#: native requests dropped in flight, with their buffers (see Request.__del__)
+_DROPPED: list = []
+
+
+def _tidy() -> None:
+    """Forget dropped native requests that have completed."""
+    _DROPPED[:] = [work for work in _DROPPED if not MPI.Request.Testall(work.requests)]
+
+
+@atexit.register
+def _finish_dropped() -> None:
+    """Before MPI finalizes (mpi4py's handler was registered first, so runs later): let dropped
+    requests complete, for a second at most (a peer that never makes the call cannot be
+    waited for)."""
+    if _DROPPED and not MPI.Is_finalized():
+        deadline = time.monotonic() + 1.0
+        for work in _DROPPED:
+            poll(work.requests, deadline)
+
 
 # -- MPI's own non-blocking and persistent collectives ---------------------------------------------
 
@@ -133,9 +162,10 @@ class _NativeWork:
     requests)`` marks the communicator unusable and raises.
     """
 
-    def __init__(self, requests: list, deadline: float | None, timeout, fail, where: str):
+    def __init__(self, requests: list, deadline: float | None, timeout, fail, where: str, keep):
         self.requests, self.deadline, self.timeout, self.fail = requests, deadline, timeout, fail
         self.where = where
+        self.keep = keep  # the buffers MPI reads and writes until the requests complete
 
     def test(self) -> bool:
         if MPI.Request.Testall(self.requests):
@@ -330,6 +360,8 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     if call.recv.size == 0:
         return Request(call.recv)
+    if _DROPPED:
+        _tidy()
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
     if _plans.resolve(call, state.private.Get_size()) == "native":
@@ -349,7 +381,8 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
                 np.divide(result, private.Get_size(), out=result)
 
         where = f"native iallreduce on rank {private.Get_rank()}"
-        return Request(call.recv, _NativeWork(requests, deadline, timeout, fail, where), finish)
+        work = _NativeWork(requests, deadline, timeout, fail, where, call)
+        return Request(call.recv, work, finish)
     plan = _plans.build(call, state, explicit=True, persistent=False, timeout=timeout,
                         deadline=deadline, what="iallreduce")
     return _schedule_request(plan, timeout, owned=True)
@@ -376,8 +409,8 @@ def start(plan, timeout: float | None = None) -> Request:
         plan._take_off(True)
         MPI.Prequest.Startall(requests)
         where = f"native allreduce (started) on rank {plan.comm.Get_rank()}"
-        request = Request(plan.recvbuf, _NativeWork(requests, deadline, timeout, plan.fail, where),
-                          finish)
+        request = Request(plan.recvbuf,
+                          _NativeWork(requests, deadline, timeout, plan.fail, where, plan), finish)
     else:
         plan._take_off(True)
         request = _schedule_request(plan, timeout, owned=False, finish=lambda ok: plan._land())

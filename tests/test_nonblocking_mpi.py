@@ -201,3 +201,70 @@ def test_a_timeout_marks_the_communicator_in_the_callers_thread(comm, monkeypatc
             request.wait()
         assert threads and all(t is __import__("threading").main_thread() for t in threads)
     comm.Barrier()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_blocking_call_between_start_and_wait_in_any_rank_order(comm, algorithm):
+    # Rank 0 makes the blocking call before waiting, the others after: the request must
+    # progress while rank 0 blocks (the progress thread), as MPI's own would.
+    x, y = contribution(comm, 3001, "float64"), contribution(comm, 17, "int64", seed=5)
+    request = mar.iallreduce(x, comm=comm, algorithm=algorithm)
+    if comm.rank == 0:
+        blocking = mar.allreduce(y, comm=comm, algorithm="ring")
+        out = request.wait()
+    else:
+        out = request.wait()
+        blocking = mar.allreduce(y, comm=comm, algorithm="ring")
+    assert_matches_native(comm, x, out, MPI.SUM)
+    assert_matches_native(comm, y, blocking, MPI.SUM)
+
+
+def test_started_plans_of_every_kind_waited_in_any_order(comm):
+    xs = [contribution(comm, n, "float64", seed=n) for n in (1, 5, 300, 4000)]
+    outs = [np.empty_like(x) for x in xs]
+    plans = [mar.plan(x, out, comm=comm, algorithm=algorithm)
+             for x, out, algorithm in zip(xs, outs, ["native", "ring", "tree", "rabenseifner"])]
+    try:
+        for round_ in range(3):
+            for i, x in enumerate(xs):
+                x[:] = contribution(comm, x.size, "float64", seed=10 * round_ + i)
+            requests = [plan.start() for plan in plans]
+            order = [3, 0, 2, 1] if round_ % 2 else [1, 2, 0, 3]
+            for i in order:
+                assert requests[i].wait() is outs[i]
+            for x, out in zip(xs, outs):
+                assert_matches_native(comm, x, out, MPI.SUM)
+    finally:
+        for plan in plans:
+            plan.free()
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "recursive_doubling"])
+def test_a_dropped_request_completes_and_later_calls_are_right(comm, algorithm):
+    import gc
+
+    x = contribution(comm, 500, "float64")
+    out = np.empty_like(x)
+    mar.iallreduce(x, out, comm=comm, algorithm=algorithm)  # never waited
+    gc.collect()
+    y = contribution(comm, 500, "float64", seed=3)
+    assert_matches_native(comm, y, mar.iallreduce(y, comm=comm, algorithm=algorithm).wait(),
+                          MPI.SUM)
+    assert_matches_native(comm, y, mar.allreduce(y, comm=comm, algorithm=algorithm), MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree"])
+def test_drop_in_requests_match_mpi(comm, algorithm):
+    drop_in = mar.Comm(comm, algorithm)
+    x = contribution(comm, 77, "float64")
+    out = np.empty_like(x)
+    drop_in.Iallreduce(x, out, MPI.SUM).Wait()
+    assert_matches_native(comm, x, out, MPI.SUM)
+    request = drop_in.Allreduce_init(x, out, MPI.SUM)
+    for round_ in range(3):
+        x[:] = contribution(comm, 77, "float64", seed=round_)
+        out.fill(np.nan)
+        request.Start()
+        request.Wait()
+        assert_matches_native(comm, x, out, MPI.SUM)
+    request.Free()
