@@ -106,6 +106,28 @@ def test_buckets_equal_per_array_allreduce(algorithm, op):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["native", "ring", "recursive_doubling"])
+def test_large_gradients_reduce_in_place_in_their_own_memory(algorithm):
+    comm = MPI.COMM_WORLD
+    grads = _grads(comm, 0, integer_valued=True)
+    big = [i for i, g in enumerate(grads) if g.nbytes >= 64]
+    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, solo_bytes=64) as sync:
+        solo = [b for b in sync.buckets if b.solo]
+        assert sorted(b.members[0] for b in solo) == big and all(len(b.members) == 1 for b in solo)
+        for bucket in solo:  # no copy: the plan reduces the gradient's own memory
+            assert np.shares_memory(bucket.flat, grads[bucket.members[0]])
+        for step in range(3):
+            fresh = _grads(comm, step, integer_valued=True)
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            result = sync.synchronize()
+            for got, f in zip(result, fresh):
+                ref = np.empty_like(f)
+                comm.Allreduce(f, ref, MPI.SUM)  # integer-valued: exact in any order
+                assert np.array_equal(got, ref)
+
+
+@pytest.mark.mpi
 def test_buckets_bit_identical_to_per_array_tree_on_random_data():
     comm = MPI.COMM_WORLD
     grads = _grads(comm, 3)
