@@ -2,8 +2,9 @@
 
 Every rank contributes its signature (a bad-input flag, count, dtype, op, algorithm, root,
 parameter and topology checksums, whether a timeout is set, the checksum of the tuning table
-``auto`` reads) together with its negation, and one ``Allreduce(MAX)`` of those 2 x 10 int64
-(160 bytes per rank, whatever the number of ranks) gives every rank the maximum and the
+``auto`` reads, whether the native library saturates 8/16-bit sums) together with its
+negation, and one ``Allreduce(MAX)`` of those 2 x 11 int64 (176 bytes per rank, whatever the
+number of ranks) gives every rank the maximum and the
 minimum of every field. Where they are equal everywhere and no rank flagged bad input, the
 call goes ahead. Otherwise, and only then, the ranks
 exchange their full signatures and error messages (an ``allgather``: every rank got past the
@@ -24,13 +25,12 @@ from mpi4py import MPI
 
 from ._checks import COLLECTIVE_ALGORITHMS, check_comm
 from ._state import state as comm_state
-from .errors import CollectiveTimeout
-from .executor import check_timeout, poll
+from .executor import check_timeout, wait_or_fail
 from .ops import DTYPES, OP_NAMES
 
 #: field names of the signature; the first is the bad-input flag.
 FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
-          "timeout", "tuning table")
+          "timeout", "tuning table", "native 8/16-bit saturation")
 #: signature field a rank could not determine (its own input was bad).
 UNKNOWN = -9
 
@@ -51,23 +51,23 @@ class Signature:
 
 
 def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Exception | None,
-          names: tuple[str, ...], timeout: float | None = None, on_timeout=None) -> None:
+          names: tuple[str, ...], timeout: float | None = None, fail=None) -> None:
     """Raise the same exception on every rank if any rank's input was bad or ranks disagree.
 
-    ``on_timeout(reason, pending)`` marks the communicator unusable before CollectiveTimeout.
+    With a ``timeout``, ``fail(reason, pending, keep)`` (``CommState.fail``) marks the
+    communicator unusable and raises CollectiveTimeout when it passes.
     """
     if timeout is None:
         checker.Allreduce(signature.packed, signature.result, MPI.MAX)
     else:
-        request = checker.Iallreduce(signature.packed, signature.result, MPI.MAX)
-        if not poll([request], time.monotonic() + timeout):
-            reason = (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
-                      f"within {timeout:g} s; some rank of the communicator has not made this "
-                      f"call, or runs calls on it in a different order, or passed check=False "
-                      f"(no data has moved yet)")
-            if on_timeout is not None:
-                on_timeout(reason, [request], (signature,))
-            raise CollectiveTimeout(reason)
+        wait_or_fail(
+            [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)],
+            time.monotonic() + timeout,
+            lambda reason, pending: fail(reason, pending, (signature,)),
+            lambda: (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
+                     f"within {timeout:g} s; some rank of the communicator has not made this "
+                     f"call, or runs calls on it in a different order, or passed check=False "
+                     f"(no data has moved yet)"))
     if signature.result == signature.packed and error is None:
         return
     disagree(checker, what, signature.fields, error, names)
@@ -138,7 +138,7 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
     except Exception as exc:  # noqa: BLE001 - every kind must reach every rank
         error, signature = exc, Signature(bad_signature())
     agree(state.checker, what, signature, error, COLLECTIVE_ALGORITHMS[collective], valid,
-          state.mark_broken)
+          state.fail)
     return call
 
 
@@ -160,6 +160,8 @@ def describe(field_name: str, value: int, names: tuple[str, ...]) -> str:
         return "a timeout" if value else "no timeout"
     if field_name == "tuning table":
         return "no tuning table" if value == 0 else f"a tuning table with checksum {value}"
+    if field_name == "native 8/16-bit saturation":
+        return "a native library that saturates" if value else "a native library that wraps"
     return str(value)
 
 

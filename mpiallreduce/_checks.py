@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import algorithms, select
-from .ops import DTYPES, Reducer, reducer
+from .ops import DTYPES, Reducer, native_deviates, reducer
 from .topology import Topology
 
 #: every name ``algorithm=`` accepts.
@@ -131,11 +131,16 @@ class Call:
         # a topology that differs between ranks gives mismatched schedules: a hang
         topology = (-1 if self.topology is None
                     else zlib.crc32(repr(self.topology.levels).encode()) & 0x7FFFFFFF)
-        # auto's choice depends on the tuning table each rank reads: the same file everywhere
-        table = select.digest() if self.algorithm == "auto" and self.collective == "allreduce" else 0
+        # auto's choice depends on the tuning table each rank reads (the same file everywhere)
+        # and on whether this process's MPI saturates 8/16-bit sums (op/avx picks its code by
+        # CPU features, so nodes of a mixed cluster could differ)
+        table = deviates = 0
+        if self.algorithm == "auto" and self.collective == "allreduce":
+            table = select.digest()
+            deviates = int(native_deviates(self.reducer.name, self.recv.dtype))
         return [0, count, DTYPES.index(self.recv.dtype), op,
                 COLLECTIVE_ALGORITHMS[self.collective].index(self.algorithm), self.root, params,
-                topology, int(timeout is not None), table]
+                topology, int(timeout is not None), table, deviates]
 
 
 def allreduce_call(sendbuf, recvbuf, op, comm, algorithm, topology, params=None) -> Call:

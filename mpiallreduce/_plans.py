@@ -84,11 +84,15 @@ def builder_params(name: str, call: Call, collective: str = "allreduce") -> tupl
     return tuple(sorted(params.items()))
 
 
-def resolve(call: Call, nranks: int) -> str:
+def resolve(call: Call, nranks: int, state: CommState | None = None,
+            deadline: float | None = None) -> str:
     """The algorithm a call runs: its own, or what ``auto`` picks (the same on every rank).
 
     ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
-    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does.
+    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does. Where it asks
+    the cost model (more ranks than were measured) without a topology given, the model gets the
+    communicator's own (``state``; discovered once, collectively, at the same call on every
+    rank), not one node.
     """
     name = call.algorithm
     if name != "auto":
@@ -96,7 +100,11 @@ def resolve(call: Call, nranks: int) -> str:
     red, nbytes = call.reducer, call.recv.nbytes
     if nranks > 1 and native_deviates(red.name, call.recv.dtype):
         return "recursive_doubling" if nbytes < select.MODULAR_RING_BYTES else "ring"
-    return select.choose(nranks, nbytes, red, call.topology)
+    topology = call.topology
+    if topology is None and state is not None and nranks > select.MEASURED_RANKS \
+            and select.lookup(select.tables(), nranks, nbytes, red.commutative) is None:
+        topology = state.default_topology(deadline)
+    return select.choose(nranks, nbytes, red, topology)
 
 
 def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
@@ -114,7 +122,7 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     """
     private = state.private
     nranks, rank = private.Get_size(), private.Get_rank()
-    name = resolve(call, nranks)
+    name = resolve(call, nranks, state, deadline)
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,
@@ -139,7 +147,20 @@ def _call_each(calls: tuple) -> None:
         call()
 
 
-class CallEntry:
+class _Known:
+    """What a remembered one-shot call (by its objects or by its shape) shares: its
+    communicator's state and its signature packed for the agreement check, with and without a
+    timeout (``signatures``)."""
+
+    __slots__ = ()
+
+    def agree(self, timeout) -> None:
+        state = self.state
+        agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
+              timeout, state.fail)
+
+
+class CallEntry(_Known):
     """A bound one-shot allreduce, kept for the next call with the same objects.
 
     Holds the objects of the call (so their ``id`` and memory stay theirs), the dtype they had
@@ -176,11 +197,6 @@ class CallEntry:
             # before the plan is freed or its communicator breaks, so nothing needs checking)
             self.direct, self.args = _call_each, (plan._fast,)
 
-    def agree(self, timeout) -> None:
-        state = self.state
-        agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
-              timeout, state.mark_broken)
-
     def free(self) -> None:
         self.plan.free()
 
@@ -190,20 +206,21 @@ class CallEntry:
 STAGE_BYTES = 1 << 16
 
 
-class Shape:
+class Shape(_Known):
     """A one-shot allreduce known by its shape, for calls with fresh arrays each time.
 
     Holds the communicator, op and topology of the call (so their ids in the key stay theirs)
     and the packed signatures. Native: the MPI datatype and the private duplicate's
-    ``Allreduce``, called on the caller's arrays. A schedule (up to :data:`STAGE_BYTES`): a plan
-    bound to staging buffers of its own, with the caller's data copied in and the result out.
-    The arrays of a call that finds it are checked on the spot (:func:`fresh_arrays`).
+    ``Allreduce``, called on the caller's arrays. A schedule (``schedule``, up to
+    :data:`STAGE_BYTES`): a plan bound to staging buffers of its own, built the first time a
+    call finds the shape (most cached calls never do), with the caller's data copied in and the
+    result out. The arrays of a call that finds it are checked on the spot (:func:`fresh_arrays`).
     """
 
     __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
-                 "allreduce", "plan", "send_stage", "recv_stage")
+                 "allreduce", "schedule", "plan", "staged_call")
 
-    def __init__(self, call: Call, state: CommState, objects: tuple, plan=None):
+    def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool):
         self.state = state
         self.objects = objects  # comm, op, topology as passed
         self.datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
@@ -212,36 +229,32 @@ class Shape:
         self.average = call.reducer.average
         self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         self.allreduce = state.private.Allreduce
-        self.plan = plan
-        self.send_stage = None if plan is None or plan.sendbuf is None else plan.sendbuf
-        self.recv_stage = None if plan is None else plan.recvbuf
-
-    def agree(self, timeout) -> None:
-        state = self.state
-        agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
-              timeout, state.mark_broken)
+        self.schedule = schedule
+        self.plan = None
+        self.staged_call = None
+        if schedule:  # the call on staging buffers of its own (not the caller's arrays)
+            size, dtype = call.recv.size, call.recv.dtype
+            self.staged_call = replace(
+                call, send=None if call.send is None else np.empty(size, dtype=dtype),
+                recv=np.empty(size, dtype=dtype))
 
     def staged(self, sendbuf, recvbuf: np.ndarray) -> np.ndarray:
         """Run the staged plan on the caller's arrays (C-contiguous, checked by the caller)."""
-        if self.send_stage is None:
-            np.copyto(self.recv_stage, recvbuf.reshape(-1))
+        plan = self.plan
+        if plan is None:  # binding is local: no rank waits for another here
+            plan = self.plan = build(self.staged_call, self.state, explicit=False,
+                                     persistent=True, timeout=None)
+        if plan.sendbuf is None:
+            np.copyto(plan.recvbuf, recvbuf.reshape(-1))
         else:
-            np.copyto(self.send_stage, sendbuf.reshape(-1))
-        self.plan.run()
-        np.copyto(recvbuf.reshape(-1), self.recv_stage)
+            np.copyto(plan.sendbuf, sendbuf.reshape(-1))
+        plan.run()
+        np.copyto(recvbuf.reshape(-1), plan.recvbuf)
         return recvbuf
 
     def free(self) -> None:
         if self.plan is not None:
             self.plan.free()
-
-
-def _staged_plan(call: Call, state: CommState, deadline):
-    """A persistent plan of ``call``'s schedule on staging buffers of its own."""
-    size, dtype = call.recv.size, call.recv.dtype
-    staged = replace(call, send=None if call.send is None else np.empty(size, dtype=dtype),
-                     recv=np.empty(size, dtype=dtype))
-    return build(staged, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
 
 
 def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:
@@ -283,10 +296,9 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
         comm, sendbuf, recvbuf, op, topology = objects
         native = isinstance(plan, NativePlan)
         if (native and len(plan.pieces) == 1) or (not native and call.recv.nbytes <= STAGE_BYTES):
-            staged = None if native else _staged_plan(call, state, deadline)
             state.calls.put_shape(
                 shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
-                Shape(call, state, (comm, op, topology), staged))
+                Shape(call, state, (comm, op, topology), schedule=not native))
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()

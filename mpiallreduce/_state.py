@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveTimeout
-from .executor import STEP_TAGS, poll
+from .executor import ABANDONED, STEP_TAGS, poll, wait_or_fail
 from .topology import Topology
 
 
@@ -168,6 +168,11 @@ class CommState:
         self.kept.extend(keep)
         self.calls.clear()
 
+    def fail(self, reason: str, pending=(), keep=()) -> None:
+        """Mark the communicator unusable (:meth:`mark_broken`) and raise CollectiveTimeout."""
+        self.mark_broken(reason, list(pending), keep)
+        raise CollectiveTimeout(reason)
+
     def refuse_if_broken(self, what: str) -> None:
         if self.broken:
             raise ValueError(f"{what}: an earlier collective on this communicator timed out "
@@ -222,12 +227,9 @@ class CommState:
         """
         if self.topology is None:
             if deadline is not None:
-                request = self.private.Ibarrier()
-                if not poll([request], deadline):
-                    reason = (f"{what} on rank {self.private.Get_rank()}: topology discovery did "
-                              f"not complete in time; some rank has not made this call")
-                    self.mark_broken(reason, [request])
-                    raise CollectiveTimeout(reason)
+                wait_or_fail([self.private.Ibarrier()], deadline, self.fail, lambda: (
+                    f"{what} on rank {self.private.Get_rank()}: topology discovery did not "
+                    f"complete in time; some rank has not made this call"))
             self.topology = Topology.from_comm(self.private)
         return self.topology
 
@@ -245,12 +247,6 @@ def _idup(comm: MPI.Intracomm, deadline: float | None, what: str, state=None) ->
         error.pending = [request]
         raise error
     return dup
-
-
-#: private duplicates of communicators freed after a timeout, deliberately never freed: their
-#: abandoned messages would otherwise match a later communicator that reuses their context id
-#: (MPICH reuses freed context ids at once).
-ABANDONED: list = []
 
 
 def _delete_state(comm, keyval, state) -> None:

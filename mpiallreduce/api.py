@@ -7,6 +7,7 @@ A repeated one-shot call with the same objects skips everything but the agreemen
 
 from __future__ import annotations
 
+import numbers
 import time
 
 import numpy as np
@@ -52,7 +53,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             ``Topology.from_comm(comm)``, computed once per communicator, which honours
             ``MPIALLREDUCE_RANKS_PER_NODE``). Its size must be the communicator's.
         check: agree on count, dtype, op, algorithm, parameters, topology and whether a timeout
-            is set across ranks first (one 160-byte ``Allreduce``), so a mismatch or bad input on
+            is set across ranks first (one 176-byte ``Allreduce``), so a mismatch or bad input on
             any rank raises the same exception everywhere instead of hanging. Pass the same
             ``check`` on every rank.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever), covering the
@@ -66,6 +67,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     """
     if comm is None:
         comm = _WORLD
+    if timeout is not None and type(timeout) not in (int, float):
+        timeout = _plain(timeout)
     # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
     key = None
     entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
@@ -81,8 +84,10 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     # The entry holds the objects of its key alive, so equal ids are the same objects. Freeing
     # the communicator or a timeout on it drops its entries (CommState), and a plan reads its
     # arrays as flat memory, so only an element type assigned since (x.dtype = ...) rebinds.
+    # (a new shape of the same array object is checked as a cold call checks it)
     if entry is not None and recvbuf.dtype is entry.dtype \
-            and (entry.in_place or sendbuf.dtype is entry.dtype) \
+            and (entry.in_place or (sendbuf.dtype is entry.dtype
+                                    and sendbuf.shape == recvbuf.shape)) \
             and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
         if check:
             entry.agree(timeout)
@@ -97,7 +102,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf):
             if check:
                 shape.agree(None)
-            if shape.plan is not None:
+            if shape.schedule:
                 return shape.staged(sendbuf, recvbuf)
             shape.allreduce(sendbuf if sendbuf is MPI.IN_PLACE else [sendbuf, shape.datatype],
                             [recvbuf, shape.datatype], shape.op)
@@ -114,6 +119,15 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
     return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
                            cache, timeout)
+
+
+def _plain(timeout):
+    """A NumPy (or other) real number of seconds as a float, so that a repeated call finds its
+    plan (a ``np.float64`` timeout made every call bind two new plans); anything else as it is,
+    for the checks to refuse on every rank."""
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        return float(timeout)
+    return timeout
 
 
 def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,

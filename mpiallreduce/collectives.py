@@ -16,8 +16,7 @@ from . import _plans
 from ._agree import prepare
 from ._checks import Call, as_array, check_algorithm, matching_recv, no_in_place
 from ._state import state as comm_state
-from .errors import CollectiveTimeout
-from .executor import Layout, Plan, flat, poll, scratch_size
+from .executor import Layout, Plan, flat, scratch_size, wait_or_fail
 from .ops import reducer
 from .partition import block, block_counts
 
@@ -39,12 +38,11 @@ def _run(call: Call, count: int, layout: Layout, native, timeout) -> np.ndarray:
         elif count:
             # non-blocking and polled; the check agreed that every rank has a timeout, since
             # MPI never matches a blocking collective with a non-blocking one
-            request = native(private, True)
-            if not poll([request], time.monotonic() + timeout):
-                reason = (f"native {call.collective} on rank {private.Get_rank()}: not complete "
-                          f"within {timeout:g} s (MPI does not say which rank is missing)")
-                state.mark_broken(reason, [request], (call.send, call.recv, layout))
-                raise CollectiveTimeout(reason)
+            wait_or_fail(
+                [native(private, True)], time.monotonic() + timeout,
+                lambda reason, pending: state.fail(reason, pending, (call.send, call.recv, layout)),
+                lambda: (f"native {call.collective} on rank {private.Get_rank()}: not complete "
+                         f"within {timeout:g} s (MPI does not say which rank is missing)"))
         if count and call.reducer is not None and call.reducer.average:
             np.divide(result, private.Get_size(), out=result)
         return call.recv

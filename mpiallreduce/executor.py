@@ -89,12 +89,23 @@ def poll(requests, deadline: float) -> bool:
     return testall(requests)
 
 
+def wait_or_fail(requests, deadline: float, fail, reason) -> None:
+    """Poll ``requests`` up to ``deadline``; past it call ``fail(reason(), requests)``, which
+    marks the communicator unusable and raises CollectiveTimeout: the one way a polled
+    collective of the package ends in a timeout. ``reason`` is only built when needed."""
+    if not poll(requests, deadline):
+        fail(reason(), requests)
+        raise AssertionError("fail() must raise")  # pragma: no cover
+
+
 def flat(array: np.ndarray) -> np.ndarray:
     """Return a 1-D view of a C- or Fortran-contiguous array, in memory order (as MPI reads it)."""
     return array.reshape(-1, order="A")
 
 
-#: communicators of plans that timed out, never freed (see ``_state.ABANDONED``).
+#: communicators of timed-out plans and of communicators freed after a timeout, deliberately
+#: never freed: their abandoned messages would otherwise match a later communicator that reuses
+#: their context id (MPICH reuses freed context ids at once).
 ABANDONED: list = []
 
 
@@ -708,12 +719,10 @@ class NativePlan(_PlanBase):
             if deadline is None:
                 comm.Allreduce(send, recv, op)
                 continue
-            request = comm.Iallreduce(send, recv, op)
-            if not poll([request], deadline):
-                self.fail(f"native allreduce on rank {comm.Get_rank()}: not complete within "
-                           f"{timeout:g} s (a rank did not make this call, or ranks run plans or "
-                           f"calls on this communicator in different orders; MPI does not say "
-                           f"which rank is missing)", [request])
+            wait_or_fail([comm.Iallreduce(send, recv, op)], deadline, self.fail, lambda: (
+                f"native allreduce on rank {comm.Get_rank()}: not complete within {timeout:g} s "
+                f"(a rank did not make this call, or ranks run plans or calls on this "
+                f"communicator in different orders; MPI does not say which rank is missing)"))
         self.average()
         return self.recvbuf
 

@@ -364,7 +364,7 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
         _tidy()
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
-    if _plans.resolve(call, state.private.Get_size()) == "native":
+    if _plans.resolve(call, state.private.Get_size(), state, deadline) == "native":
         private = state.nonblocking_comm(timeout, "iallreduce")
         result = flat(call.recv)
         send = None if call.send is None else flat(call.send)
@@ -372,15 +372,12 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
                                        result[lo:hi], call.reducer.mpi_op)
                     for lo, hi in segments(0, result.size, MAX_MESSAGE) if hi > lo]
 
-        def fail(reason, pending):
-            state.mark_broken(reason, list(pending), (call,))
-            raise CollectiveTimeout(reason)
-
         def finish(ok):
             if ok and call.reducer.average:
                 np.divide(result, private.Get_size(), out=result)
 
         where = f"native iallreduce on rank {private.Get_rank()}"
+        fail = lambda reason, pending: state.fail(reason, pending, (call,))
         work = _NativeWork(requests, deadline, timeout, fail, where, call)
         return Request(call.recv, work, finish)
     plan = _plans.build(call, state, explicit=True, persistent=False, timeout=timeout,

@@ -16,7 +16,7 @@ from conftest import assert_identical_across_ranks, assert_matches_native, contr
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _checks, _plans, _state, ops
+from mpiallreduce import _agree, _checks, _plans, _state, ops
 
 pytestmark = pytest.mark.mpi
 
@@ -311,7 +311,7 @@ def test_the_check_is_a_constant_size_collective(comm, monkeypatch):
     out = np.empty_like(x)
     mar.allreduce(x, out, comm=comm)
     mar.allreduce(x, out, comm=comm)
-    assert sizes == [20]  # 2 x 10 int64 whatever the rank count
+    assert sizes == [22]  # 2 x 11 int64 whatever the rank count
 
 
 # -- layouts ---------------------------------------------------------------------------------------------
@@ -474,3 +474,40 @@ def test_fresh_arrays_that_do_not_fit_the_shape_still_get_checked(comm):
     y = contribution(comm, 4, "float64")
     assert_matches_native(comm, y, mar.allreduce(y, np.empty(4), comm=comm, op=mar.AVG),
                           MPI.SUM, average=True)
+
+
+@pytest.mark.parametrize("timeout", [np.float64(30.0), np.float32(30.0), np.int64(30)])
+def test_a_numpy_timeout_finds_the_cached_plan(comm, monkeypatch, timeout):
+    # Before: a np.float64 timeout failed the hot path's type() test, so every call bound its
+    # plans again (and np.int64 was refused).
+    x = contribution(comm, 9, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="ring", timeout=timeout)
+    slow = []
+    real = _plans.one_shot
+    monkeypatch.setattr(_plans, "one_shot", lambda *a, **k: slow.append(1) or real(*a, **k))
+    for _ in range(3):
+        out.fill(np.nan)
+        mar.allreduce(x, out, comm=comm, algorithm="ring", timeout=timeout)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    assert slow == []
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_a_shape_mismatch_raises_warm_as_it_does_cold(comm, algorithm):
+    x = contribution(comm, 12, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm=algorithm)  # cached now
+    x.shape = (3, 4)  # the same objects, shapes that no longer match
+    with pytest.raises(ValueError, match="shape"):
+        mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+    x.shape = (12,)
+    assert_matches_native(comm, x, mar.allreduce(x, out, comm=comm, algorithm=algorithm), MPI.SUM)
+
+
+def test_the_signature_carries_autos_saturation_probe(comm):
+    call = _checks.allreduce_call(np.ones(3, dtype=np.int8), None, MPI.SUM, comm, "auto", None)
+    fields = call.signature(None)
+    assert len(fields) == len(_agree.FIELDS)
+    assert fields[_agree.FIELDS.index("native 8/16-bit saturation")] == int(
+        ops.native_deviates("SUM", np.dtype(np.int8)))
