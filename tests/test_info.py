@@ -16,8 +16,10 @@ def _check(text: str, ranks: int, nodes: str) -> None:
     assert text.startswith(f"mpiallreduce {mar.__version__} "), text
     assert f"mpi4py {__import__('mpi4py').__version__}" in text
     assert "MPI library: " + MPI.Get_library_version().split()[0] in text
-    assert f"ranks: {ranks}; nodes: {nodes}" in text
+    alone = " (one process, no launcher: launch under mpirun -n N for more)" if ranks == 1 else ""
+    assert f"ranks: {ranks}{alone}; nodes: {nodes}" in text
     assert "thread level: " in text
+    assert "auto: built-in rules" in text or "auto: tuning table " in text
     deviates = any(ops.native_deviates("SUM", d) for d in ops.NARROW_INTS)
     assert ("native deviations: saturating SUM on int8" in text) == deviates, text
 
@@ -27,6 +29,14 @@ def test_alone():
                           timeout=120, env=launcher_environment())
     assert done.returncode == 0, done.stderr
     _check(done.stdout, 1, "1 of 1 rank(s)")
+
+
+def test_a_missing_tuning_table_says_the_built_in_rules_are_used(tmp_path):
+    env = {**launcher_environment(), "MPIALLREDUCE_TUNING": str(tmp_path / "none.json")}
+    done = subprocess.run([sys.executable, "-m", "mpiallreduce"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"auto: built-in rules (no tuning table at {tmp_path / 'none.json'}" in done.stdout
 
 
 @needs_mpirun
