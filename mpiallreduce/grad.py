@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,8 @@ BUCKET_BYTES = 25 << 20
 #: copies the array in and out; at 1 MiB those copies move 4 MiB through memory, hundreds of
 #: microseconds, far more than the call they save.
 SOLO_BYTES = 1 << 20
+#: steps ``overlap="auto"`` times in each mode before it keeps the faster one.
+PROBE_STEPS = 3
 
 
 @dataclass
@@ -76,6 +80,14 @@ class GradSync:
             its own reduced in place in the array (no copy in or out; default
             :data:`SOLO_BYTES`). Such an array holds the result as soon as its bucket completes,
             which may be before :meth:`wait`: do not write it between ``ready`` and ``wait``.
+        overlap: ``True`` starts a bucket's reduction as soon as it is ready (it progresses
+            while backprop goes on: worth it with a spare core per rank or a network card doing
+            the transfers); ``False`` starts every bucket at :meth:`wait` (nothing competes with
+            backprop for the cores); ``"auto"`` (default) times :data:`PROBE_STEPS` steps each
+            way, from the first ``ready`` to the end of ``wait``, and keeps the faster
+            (``overlap_mode`` says which). Either way buckets start in bucket order on every
+            rank, so ranks may differ in mode. Do not write a gradient between ``ready`` and
+            ``wait``.
 
     Results equal a per-array ``allreduce`` of each array element for element (the same
     additions; bit for bit where the algorithm's order of additions does not depend on an
@@ -83,7 +95,7 @@ class GradSync:
     """
 
     def __init__(self, arrays, comm=None, op=AVG, algorithm="auto", bucket_bytes=BUCKET_BYTES,
-                 compression=None, solo_bytes=SOLO_BYTES):
+                 compression=None, solo_bytes=SOLO_BYTES, overlap="auto"):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.arrays = [np.asarray(a) for a in arrays]
         for i, array in enumerate(self.arrays):
@@ -95,6 +107,13 @@ class GradSync:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if solo_bytes is not None and (not isinstance(solo_bytes, int) or solo_bytes <= 0):
             raise ValueError(f"solo_bytes must be a positive int or None, got {solo_bytes!r}")
+        if overlap not in (True, False, "auto"):
+            raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        self.overlap = overlap
+        #: whether this step starts buckets as they become ready (see ``overlap``)
+        self.overlap_mode = overlap is not False
+        self._timings: dict = {True: [], False: []}  # seconds per step in each mode (auto)
+        self._step_start: float | None = None
         self.op, self.algorithm = op, algorithm
         self.codec = None
         self.topk = compression if isinstance(compression, TopK) else None
@@ -150,6 +169,7 @@ class GradSync:
     # -- a step ----------------------------------------------------------------------------------
 
     def _reset(self) -> None:
+        self._step_start = None
         self._next = 0
         self._marked = [False] * len(self.arrays)
         for bucket in self.buckets:
@@ -160,8 +180,15 @@ class GradSync:
         """Mark gradient ``index`` final for this step; start every bucket that can start."""
         if self._marked[index]:
             raise ValueError(f"gradient {index} is already marked ready in this step")
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
         self._marked[index] = True
         self.buckets[self._bucket_of[index]].waiting -= 1
+        if self.overlap_mode:
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start every bucket whose gradients are all ready, in bucket order."""
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
             self._start(self.buckets[self._next])
             self._next += 1
@@ -197,6 +224,7 @@ class GradSync:
         if missing:
             raise ValueError(f"gradients {missing} were not marked ready in this step")
         try:
+            self._start_ready()  # overlap off: every bucket starts now
             for bucket in self.buckets:
                 if bucket.request is not None:
                     bucket.request.wait()
@@ -205,9 +233,22 @@ class GradSync:
                 if not bucket.solo:
                     for array, view in _views(bucket, self.arrays):
                         np.copyto(array.reshape(-1), view)
+            elapsed = time.perf_counter() - self._step_start
         finally:
             self._reset()
+        self._choose_mode(elapsed)
         return self.arrays
+
+    def _choose_mode(self, elapsed: float) -> None:
+        """``overlap="auto"``: record this step's time; probe each mode, then keep the faster."""
+        timings = self._timings
+        if self.overlap != "auto" or min(map(len, timings.values())) >= PROBE_STEPS:
+            return  # a fixed mode, or the choice is made
+        timings[self.overlap_mode].append(elapsed)
+        if min(map(len, timings.values())) < PROBE_STEPS:
+            self.overlap_mode = len(timings[True]) <= len(timings[False])
+        else:
+            self.overlap_mode = statistics.median(timings[True]) <= statistics.median(timings[False])
 
     def synchronize(self) -> list:
         """Mark every gradient ready (in reverse order, as backprop would) and wait."""

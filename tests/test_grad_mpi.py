@@ -128,6 +128,38 @@ def test_large_gradients_reduce_in_place_in_their_own_memory(algorithm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False, "auto"])
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_every_overlap_mode_gives_the_sum(overlap, algorithm):
+    comm = MPI.COMM_WORLD
+    grads = _grads(comm, 0, integer_valued=True)
+    modes = []
+    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, bucket_bytes=64,
+                      overlap=overlap) as sync:
+        for step in range(2 * grad.PROBE_STEPS + 2):
+            fresh = _grads(comm, step, integer_valued=True)
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            modes.append(sync.overlap_mode)
+            for index in reversed(range(len(grads))):
+                sync.ready(index)
+            for got, f in zip(sync.wait(), fresh):
+                ref = np.empty_like(f)
+                comm.Allreduce(f, ref, MPI.SUM)
+                assert np.array_equal(got, ref)
+    if overlap == "auto":  # both modes probed, then one kept
+        assert modes[:2 * grad.PROBE_STEPS].count(True) == grad.PROBE_STEPS
+        assert len(set(modes[2 * grad.PROBE_STEPS:])) == 1
+    else:
+        assert set(modes) == {overlap}
+
+
+def test_overlap_must_be_a_known_mode():
+    with pytest.raises(ValueError, match="overlap"):
+        mar.GradSync([np.zeros(3)], MPI.COMM_SELF, overlap="sometimes")
+
+
+@pytest.mark.mpi
 def test_buckets_bit_identical_to_per_array_tree_on_random_data():
     comm = MPI.COMM_WORLD
     grads = _grads(comm, 3)
