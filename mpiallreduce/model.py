@@ -158,7 +158,7 @@ class Machine:
 NETWORK_100G = Link(alpha=2.0e-6, beta=8.0e-11)
 
 #: built-in machine: intra-node numbers from ``mpirun -n 2 python -m mpi4py -m
-#: mpiallreduce.model calibrate`` on the 2-core VM of the README (scripts/machine-vm.json),
+#: mpiallreduce.model calibrate`` on the 2-core VM of docs/performance.md (scripts/machine-vm.json),
 #: a 100 Gb/s network between nodes.
 DEFAULT_MACHINE = Machine(
     intra=Link(alpha=1.50e-6, beta=1.43e-10),

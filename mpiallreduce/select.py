@@ -2,7 +2,7 @@
 
 An algorithm written in Python over point-to-point messages pays about 1 µs of interpreter
 time per step that MPI's native collective does not, so ``auto`` picks ``native`` unless a
-measured crossover says a schedule wins (README, "Performance"): from 32 MiB per rank,
+measured crossover says a schedule wins (docs/performance.md): from 32 MiB per rank,
 ``ring_segmented`` beat Open MPI 5.0.11's own ``Allreduce`` by 1.6-3.4x at 2 to 4 ranks with
 every schedule faster than native there, and the narrower ranges of :data:`RULES`. Elsewhere
 the ratios straddle 1 and ``native`` stays. Re-measure with ``python -m mpiallreduce.bench``
@@ -52,7 +52,7 @@ LARGE_MESSAGE_BYTES = 32 << 20
 #: further measured crossovers of the built-in rule, commutative ops only: (fewest ranks, most
 #: ranks, least bytes, most bytes (exclusive, None: no limit), algorithm). Each range is where
 #: the schedule beat Open MPI 5.0.11's default ``Allreduce`` in every one of three interleaved
-#: bench rounds both out of place and in place (float32 SUM, this 2-core VM, README
+#: bench rounds both out of place and in place (float32 SUM, this 2-core VM, docs/performance.md
 #: "Performance"): at 2 ranks recursive_doubling 1.02-1.14x in place and 2.3x out of place at
 #: 16-64 KiB, ring_segmented 1.08-1.16x in place and 1.6-1.8x out of place from 4 MiB; at 3,
 #: 4 and 5 ranks knomial 1.02-1.9x at 2-32 KiB (3 and 5 ranks to 64 KiB). Outside them the

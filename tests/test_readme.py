@@ -1,9 +1,9 @@
-"""The README's first screen tells the truth: every command it shows exists and runs.
+"""The README (a front page) and docs/ tell the truth: every command they show exists and runs.
 
-The first screen is everything before the "## Using it" section: make targets are checked with
-``make -n``, ``python -m`` commands run (with ``--help`` where they are tools), the pip extras it
-names exist in pyproject.toml, and every example it lists exists with a ``main()`` (the examples
-themselves run in tests/test_examples.py).
+Make targets are checked with ``make -n``, ``python -m`` commands run (with ``--help`` where they
+are tools), the pip extras named exist in pyproject.toml, every example listed exists with a
+``main()`` (the examples themselves run in tests/test_examples.py), and every relative link in
+README and docs resolves (file and, where given, heading anchor).
 """
 
 from __future__ import annotations
@@ -18,14 +18,43 @@ from conftest import launcher_environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-FIRST_SCREEN = README.split("\n## Using it", 1)[0]
+FIRST_SCREEN = README
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *DOCS]
 
 
-def test_the_first_screen_is_a_screen_or_so():
-    assert "## Using it" in README
-    assert len(FIRST_SCREEN.splitlines()) < 110
-    for heading in ("## When it helps, and when it does not", "## Install", "## Use"):
-        assert heading in FIRST_SCREEN
+def test_the_readme_is_a_front_page():
+    assert len(README.splitlines()) <= 250
+    for heading in ("## When it helps, and when it does not", "## Install", "## Use",
+                    "## Commands", "## Documentation"):
+        assert heading in README
+    linked = set(re.findall(r"\(docs/([\w-]+\.md)", README))
+    assert linked == {page.name for page in DOCS}, linked
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _links():
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if not re.match(r"[a-z]+:", target):
+                yield page, target
+
+
+@pytest.mark.parametrize(("page", "target"), list(_links()),
+                         ids=lambda v: v.name if isinstance(v, pathlib.Path) else v)
+def test_relative_links_resolve(page, target):
+    path, _, anchor = target.partition("#")
+    resolved = (page.parent / path).resolve() if path else page
+    assert resolved.exists(), f"{page.name}: {target} does not exist"
+    if anchor and resolved.suffix == ".md":
+        headings = re.findall(r"^#+ (.+)$", resolved.read_text(), re.M)
+        assert anchor in {_anchor(h) for h in headings}, f"{page.name}: no heading #{anchor}"
 
 
 @pytest.mark.parametrize("target", sorted(set(re.findall(r"^make (\w[\w-]*)", FIRST_SCREEN, re.M))))
@@ -35,7 +64,8 @@ def test_make_targets_exist(target):
     assert done.returncode == 0, done.stderr
 
 
-MODULES = sorted(set(re.findall(r"-m (mpiallreduce[\w.]*)", FIRST_SCREEN)))
+MODULES = sorted(set(re.findall(r"-m (mpiallreduce[\w.]*)",
+                                "".join(page.read_text() for page in PAGES))))
 
 
 def test_the_first_screen_names_commands():
