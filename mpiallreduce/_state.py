@@ -1,8 +1,8 @@
 """Per-communicator state: private duplicates, plan slots, the call cache, scratch, topology.
 
 mpiallreduce never sends on the user's communicator. The first call on a communicator makes two
-duplicates of it (``Idup``, polled against the call's deadline, so even that first call honours
-``timeout=``) and attaches a :class:`CommState` to it as an MPI attribute:
+duplicates of it (``Dup``; with a ``timeout=``, ``Idup`` polled against the call's deadline, so
+even that first call honours it) and attaches a :class:`CommState` to it as an MPI attribute:
 
 - ``private`` carries the schedules' point-to-point messages and the native collectives of
   one-shot calls;

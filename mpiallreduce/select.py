@@ -54,7 +54,7 @@ LARGE_MESSAGE_BYTES = 32 << 20
 #: the schedule beat Open MPI 5.0.11's default ``Allreduce`` in every one of three interleaved
 #: bench rounds both out of place and in place (float32 SUM, this 2-core VM, docs/performance.md
 #: "Performance"): at 2 ranks recursive_doubling 1.02-1.14x in place and 2.3x out of place at
-#: 16-64 KiB, ring_segmented 1.08-1.16x in place and 1.6-1.8x out of place from 4 MiB; at 3,
+#: 16-128 KiB, ring_segmented 1.08-1.16x in place and 1.6-1.8x out of place from 4 MiB; at 3,
 #: 4 and 5 ranks knomial 1.02-1.9x at 2-32 KiB (3 and 5 ranks to 64 KiB). Outside them the
 #: margins straddle 1 in one mode or the other and ``native`` stays.
 RULES = (
