@@ -370,6 +370,17 @@ def _row(size, name, avg, ratio, lo=float("nan"), hi=float("nan"), repeats=1):
                      avg, avg, lo, hi)
 
 
+def test_auto_that_ran_native_is_never_recommended_over_native():
+    # measured first and cold, auto (which is native at 8 B) once came out "1.53x faster"
+    auto = _row(8, "auto", 1.0, 1.53, 1.4, 1.6, 3)
+    auto.runs = "native"
+    rows = [_row(8, "native", 1.53, 1.0, 1.0, 1.0, 3), auto]
+    assert bench.recommendations(rows) == [
+        "# recommend 8: native (nothing beats it beyond the measured spread)"]
+    auto.runs = "recursive_doubling"  # auto that ran a schedule is judged as the schedule
+    assert bench.recommendations(rows)[0].startswith("# recommend 8: auto (faster than native")
+
+
 def test_a_lead_within_the_spread_is_not_a_win():
     rows = [_row(8, "native", 2.0, 1.0, 1.0, 1.0, 3), _row(8, "ring", 1.9, 1.05, 0.8, 1.3, 3),
             _row(1 << 20, "native", 900.0, 1.0, 1.0, 1.0, 3),
