@@ -17,9 +17,11 @@ What runs where:
   never waits for a later one, so waits in any order complete). With ``MPI_THREAD_MULTIPLE``
   (mpi4py's default) one progress thread per communicator also advances them while the caller
   is elsewhere (computing, or blocked in another collective that a peer reaches only after
-  waiting): it sleeps while nothing is in flight, and polls at a backing-off pace (50 µs up to
-  :data:`PAUSE_MAX`) while something is, so it never spins against the caller's computation.
-  Whichever thread completes a step runs its combines; the engine's lock keeps them apart.
+  waiting): it first looks :data:`GRACE_SECONDS` after a run starts, then polls at a
+  backing-off pace (50 µs up to :data:`PAUSE_MAX`) while runs are in flight, never blocks in
+  MPI and never spins against the caller's computation; it exits after :data:`IDLE_SECONDS`
+  without runs. Whichever thread completes a step runs its combines; the engine's lock keeps
+  them apart (the thread only tries it, so it never makes the caller wait).
 - **Deadlines and failures** are decided in the caller's thread: ``wait(timeout)`` raises
   :class:`CollectiveTimeout` and leaves the request in flight; a run past its own ``timeout=``
   (given to ``iallreduce``/``start``) is abandoned there, in the caller's thread, which marks
@@ -51,6 +53,9 @@ from .partition import segments
 
 #: longest pause (seconds) of the progress thread between polls while runs are in flight.
 PAUSE_MAX = 1e-3
+#: seconds the progress thread lets pass before it first looks at a new run: a caller that
+#: waits at once completes it itself, without meeting the thread.
+GRACE_SECONDS = 1e-3
 #: seconds a progress thread waits for work before it exits (the next request starts another).
 IDLE_SECONDS = 1.0
 
@@ -234,17 +239,23 @@ class _Run:
     # what Request calls, in the caller's thread
 
     def test(self) -> bool:
-        with self.engine.lock:
-            self.engine.progress()
-            if not self.finished:
-                self._check_deadline()
+        engine = self.engine
+        if engine.lock.acquire(blocking=False):  # else the thread is advancing it right now
+            try:
+                engine.progress()
+                if not self.finished:
+                    self._check_deadline()
+            finally:
+                engine.lock.release()
         return self._result()
 
     def complete(self, until: float | None) -> bool:
         engine = self.engine
         stop = _earliest(until, self.deadline)
         for _ in itertools.chain(range(BUSY_TESTS), patience(stop)):
-            with engine.lock:
+            if not engine.lock.acquire(blocking=False):
+                continue  # the thread is advancing the runs: look again after a pause
+            try:
                 engine.progress()
                 while not self.finished and stop is None and engine.runs == [self]:
                     # alone and without deadline: block in MPI, as a blocking run does
@@ -252,6 +263,8 @@ class _Run:
                     self.advance()
                 if self.finished:
                     return self._result()
+            finally:
+                engine.lock.release()
         with engine.lock:
             engine.progress()
             if not self.finished:
@@ -274,11 +287,20 @@ class _Run:
 
 
 class _Engine:
-    """The runs in flight on one private communicator, and (threaded) the thread polling them."""
+    """The runs in flight on one private communicator, and (threaded) the thread polling them.
+
+    ``lock`` guards the runs: whoever holds it advances them. The caller's thread takes it
+    in ``start``/``test``/``wait``; the progress thread only ever tries (``blocking=False``), so
+    it never makes the caller wait and never blocks in MPI. The thread looks first
+    :data:`GRACE_SECONDS` after it is needed (a run the caller waits for at once never meets
+    it), then at a pace backing off from 50 µs to :data:`PAUSE_MAX` while runs are in flight, and
+    exits after :data:`IDLE_SECONDS` without any (the next submit starts another): no
+    notification on the hot path.
+    """
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.wake = threading.Condition(self.lock)
+        self.guard = threading.Lock()  # the thread's start and exit
         self.runs: list[_Run] = []
         self.thread: threading.Thread | None = None
         self.threaded = threaded()
@@ -288,14 +310,13 @@ class _Engine:
         with self.lock:
             self.runs.append(run)
             self.progress()
-            if run.finished or not self.threaded:
-                return
+        if run.finished or not self.threaded:
+            return
+        with self.guard:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="mpiallreduce-progress",
                                                daemon=True)
                 self.thread.start()
-            else:
-                self.wake.notify()
 
     def progress(self) -> int:
         """Advance every run in flight, in start order, without blocking (lock held)."""
@@ -307,18 +328,29 @@ class _Engine:
         return moved
 
     def _loop(self) -> None:
-        pause = 5e-5
+        pause, idle_since = GRACE_SECONDS, None
         while True:
-            with self.lock:
-                if not self.runs:
-                    self.wake.wait(IDLE_SECONDS)
-                    if not self.runs:
-                        self.thread = None  # the next submit starts a new thread
-                        return
-                    pause = 5e-5
-                moved = self.progress()
-            pause = 5e-5 if moved else min(pause * 2, PAUSE_MAX)
             time.sleep(pause)
+            if not self.runs:  # a read of a list's length: no lock needed
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since > IDLE_SECONDS:
+                    with self.guard:
+                        if not self.runs:  # submit appends before it checks the thread
+                            self.thread = None
+                            return
+                pause = PAUSE_MAX
+                continue
+            if idle_since is not None:
+                idle_since, pause = None, GRACE_SECONDS
+                continue
+            moved = 0
+            if self.lock.acquire(blocking=False):
+                try:
+                    moved = self.progress()
+                finally:
+                    self.lock.release()
+            pause = 5e-5 if moved else min(pause * 2, PAUSE_MAX)
 
 
 _ENGINES: dict = {}
