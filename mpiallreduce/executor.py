@@ -41,6 +41,10 @@ def check_timeout(timeout) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
+#: while tracing, the recorder (:mod:`.tracing`) whose ``program(plan, steps)`` a new Plan
+#: runs instead of its plain flat program (and every Plan is then persistent); None: untraced.
+TRACER = None
+
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
 SINGLE_REQUESTS = 4
 
@@ -380,6 +384,7 @@ class Plan(_PlanBase):
         self.algorithm = algorithm
         self._label = label or f"{algorithm} allreduce"
         self._layout = layout or Layout.allreduce(recvbuf)
+        persistent = persistent or TRACER is not None  # a traced run is one flat program
         self._persistent = persistent
         self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
@@ -411,9 +416,12 @@ class Plan(_PlanBase):
         if self._average:
             last.append(partial(np.divide, self._result, self._nranks, self._result))
         self._last = tuple(last)
-        self._fast = self._flatten() if persistent else None
+        if TRACER is not None:  # tracing (.tracing): bound now, so an untraced run never looks
+            self._fast = TRACER.program(self, steps)
+        else:
+            self._fast = self._flatten() if persistent else None
 
-    def _flatten(self) -> tuple:
+    def _flatten(self, phase=None) -> tuple:
         """Return the whole run without a deadline as one flat tuple of argument-free calls.
 
         The same order as the stepwise loop in :meth:`run`: per step its copies, its requests
@@ -421,26 +429,34 @@ class Plan(_PlanBase):
         :data:`SINGLE_REQUESTS` requests a step are started and waited one by one (cheaper than
         building the C array ``Startall``/``Waitall`` take from a list); waits run in reverse
         so the sends, posted last, are waited first.
+
+        ``phase(kind, index, calls)`` (tracing, see :mod:`.tracing`) returns each group of
+        calls with what records it: ``"run"``, ``"load"``, per step index ``"copy"``,
+        ``"start"``, ``"wait"``, ``"combine"``, then ``"finish"`` and ``"end"``.
         """
-        calls, pending = list(self._first), ()
+        if phase is None:
+            phase = lambda kind, index, group: group
+        calls = [*phase("run", None, ()), *phase("load", None, self._first)]
+        pending = ()
         startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
-        for before, requests, combines, defer, _ in self._program:
-            calls += before
+        for before, requests, combines, defer, bound in self._program:
+            calls += phase("copy", bound.index, before)
             if len(requests) <= SINGLE_REQUESTS:
-                calls += [request.Start for request in requests]
+                calls += phase("start", bound.index, [request.Start for request in requests])
             else:
-                calls.append(partial(startall, requests))
+                calls += phase("start", bound.index, [partial(startall, requests)])
             calls += pending
             if len(requests) <= SINGLE_REQUESTS:
-                calls += [request.Wait for request in reversed(requests)]
+                calls += phase("wait", bound.index,
+                               [request.Wait for request in reversed(requests)])
             else:
-                calls.append(partial(waitall, requests))
+                calls += phase("wait", bound.index, [partial(waitall, requests)])
             if defer:
-                pending = combines
+                pending = phase("combine", bound.index, combines)
             else:
                 pending = ()
-                calls += combines
-        return (*calls, *pending, *self._last)
+                calls += phase("combine", bound.index, combines)
+        return (*calls, *pending, *phase("finish", None, self._last), *phase("end", None, ()))
 
     @property
     def nbytes(self) -> int:
