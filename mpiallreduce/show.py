@@ -311,6 +311,7 @@ def _save(fig, path: str) -> None:
 
     # reproducible SVG files (no date, fixed ids), so committed diagrams change only with schedules
     matplotlib.rcParams["svg.hashsalt"] = "mpiallreduce"
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text as text: small files, searchable
     metadata = {"Date": None} if path.endswith((".svg", ".pdf")) else None
     fig.savefig(path, metadata=metadata)
 

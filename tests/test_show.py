@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import pathlib
 import re
+import shlex
 import sys
 
 import pytest
@@ -146,3 +148,26 @@ def test_without_matplotlib_the_error_says_what_to_install(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert show.main(["ring", "--ranks", "4", "-o", str(tmp_path / "ring.svg")]) == 2
     assert "pip install 'mpiallreduce[plot]'" in capsys.readouterr().err
+
+
+README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+DRAWN = re.findall(r"^python -m mpiallreduce\.show (.*) -o (docs/diagrams/\w+\.svg)$", README, re.M)
+
+
+def test_the_readme_shows_one_diagram_per_algorithm():
+    shown = {pathlib.Path(path).stem for _, path in DRAWN}
+    assert shown == set(REGISTRY)
+    for _, path in DRAWN:
+        assert f"]({path})" in README
+
+
+@pytest.mark.parametrize("argv, path", DRAWN, ids=[pathlib.Path(p).stem for _, p in DRAWN])
+def test_the_committed_diagrams_are_the_schedules_of_today(argv, path):
+    """Each committed SVG has as many arrows as the schedule its README command builds now
+    (rerun the command when a schedule changes)."""
+    args = show.build_parser().parse_args([*shlex.split(argv), "-o", path])
+    count = 2 * args.ranks if args.count is None else args.count
+    schedule, _ = show.build(args.algorithm, args.ranks, count, args.ranks_per_node,
+                             show._params(args.param), args.dtype, args.collective)
+    text = (pathlib.Path(__file__).resolve().parent.parent / path).read_text()
+    assert len(re.findall(r'id="message-\d+"', text)) == _schedule_messages(schedule)
