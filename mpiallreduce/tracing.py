@@ -21,6 +21,9 @@ Each rank records its plan runs and, within them, every step and its phases:
   executor defers until the next step's messages are posted lies inside that next step and
   names its own step in ``args.step``.
 
+A rank keeps its latest :data:`MAX_EVENTS` clock readings (``MPIALLREDUCE_TRACE_EVENTS``),
+about 100 B each; runs whose start was dropped are left out of the file.
+
 Clocks (``time.perf_counter_ns``) are aligned across ranks by a ping-pong with rank 0 when
 tracing starts (``trace()``) or, with the environment variable, when the trace is written at
 exit; ranks on rank 0's host share its clock and need no estimate. Rank 0 writes one JSON file:
@@ -48,6 +51,19 @@ from .schedule import COPY
 ENV = "MPIALLREDUCE_TRACE"
 #: ping-pongs per rank when aligning clocks (the one of least round trip counts).
 ALIGN_ROUNDS = 16
+#: environment variable: most clock readings a rank keeps (the latest; default
+#: :data:`MAX_EVENTS`). A reading takes about 100 B, so a long traced run stays bounded.
+EVENTS_ENV = "MPIALLREDUCE_TRACE_EVENTS"
+MAX_EVENTS = 1_000_000
+
+
+def _max_events() -> int:
+    text = os.environ.get(EVENTS_ENV, "").strip()
+    if not text:
+        return MAX_EVENTS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{EVENTS_ENV}={text!r} is not a positive integer")
+    return int(text)
 
 _clock = time.perf_counter_ns
 
@@ -58,7 +74,9 @@ class Recorder:
     def __init__(self, path: str, comm: MPI.Intracomm):
         self.path = path
         self.comm = comm
-        self.events: list | deque = []  # (ns, marker); a marker is (plan, kind, step, opens)
+        # (ns, marker), the latest _max_events() of them (a deque appends as fast as a list);
+        # a marker is (plan, kind, step, opens)
+        self.events: deque = deque(maxlen=_max_events())
         self.plans: list[dict] = []  # what each traced plan of this rank is (by marker[0])
         self.offsets: list[int] | None = None  # rank 0: each rank's clock minus rank 0's
         self.aligned = False
@@ -125,7 +143,7 @@ class Recorder:
         if not self.aligned:  # started by the environment: aligned now, times from the first event
             self.align()
             self.origin = None
-        gathered = self.comm.gather((events, self.plans), root=0)
+        gathered = self.comm.gather((list(events), self.plans), root=0)
         if self.comm.Get_rank() == 0:
             document = chrome_trace(gathered, self.offsets, self.origin)
             with open(self.path, "w", encoding="utf-8") as handle:
@@ -206,6 +224,8 @@ def _track(rank: int, events: list, plans: list[dict], shift: int) -> list[dict]
 
     for item in events:
         stamp, (plan, kind, index, opens) = item
+        if run is None and kind != "run":
+            continue  # the oldest readings were dropped (MPIALLREDUCE_TRACE_EVENTS): a partial run
         at = stamp - shift
         described = plans[plan]
         if kind == "run":

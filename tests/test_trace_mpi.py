@@ -223,6 +223,35 @@ def test_the_traced_program_is_the_plain_one_plus_clock_readings(algorithm, tmp_
 
 
 @pytest.mark.mpi
+def test_a_rank_keeps_its_latest_readings_and_whole_runs_only(tmp_path, monkeypatch):
+    comm = MPI.COMM_WORLD
+    monkeypatch.setenv(tracing.EVENTS_ENV, "40")
+    x = contribution(comm, 2 * comm.size + 1, "float64")
+    out = np.empty_like(x)
+    path = _trace_path(comm, tmp_path)
+    with mar.trace(path, comm=comm), mar.plan(x, out, comm=comm, algorithm="ring") as plan:
+        for _ in range(30):
+            plan.run()
+    assert_matches_native(comm, x, out, MPI.SUM)
+    steps = 2 * (comm.size - 1)
+    stamps = 3 + 3 * steps  # run, end, finish, and start, wait, combine or copy per step (or fewer)
+
+    def check(document):
+        problems, tracks = validate(document, comm.size)
+        for rank in range(comm.size):
+            runs = tracks.get(rank, [])
+            if not 40 // stamps - 1 <= len(runs) <= 40 // 2:
+                problems.append(f"rank {rank}: {len(runs)} runs kept of 40 readings")
+            problems += [f"rank {rank}: a partial run" for _, found in runs if len(found) != steps]
+        return problems
+
+    _checked(comm, path, check)
+    monkeypatch.setenv(tracing.EVENTS_ENV, "many")
+    with pytest.raises(ValueError, match="MPIALLREDUCE_TRACE_EVENTS"), mar.trace(path, comm=comm):
+        pass
+
+
+@pytest.mark.mpi
 def test_one_trace_at_a_time_on_every_rank(tmp_path):
     comm = MPI.COMM_WORLD
     path = _trace_path(comm, tmp_path)
