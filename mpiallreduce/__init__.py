@@ -10,10 +10,11 @@ from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
 from .ops import AVG
 from .topology import Topology
+from .tracing import trace
 
 __version__ = "0.1.0"
 
 __all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
            "Plan", "Request", "ScheduleError", "ShardedSGD", "TopK", "Topology", "__version__",
            "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "iallreduce", "plan",
-           "reduce_scatter", "start"]
+           "reduce_scatter", "start", "trace"]

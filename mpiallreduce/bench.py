@@ -220,6 +220,10 @@ def build_parser(printing: bool = True) -> _Parser:
                         "'#' lines (default: none)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size "
                         "(needs matplotlib, the 'plot' extra) (default: none)")
+    parser.add_argument("--trace", metavar="FILE.json",
+                        help="record the timed runs of the schedules (one size only) as a Chrome "
+                             "Trace file, one track per rank (warm-up, validation and native runs "
+                             "are not recorded) (default: none)")
     parser.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
                         help=f"simulate nodes of K consecutive ranks (sets {RANKS_PER_NODE_ENV} "
                              "for the hierarchical algorithms) (default: "
@@ -251,6 +255,7 @@ class Options:
     ranks_per_node: int | None
     quiet: bool
     notes: list[str]
+    trace: str | None = None
 
     @property
     def width(self) -> int:
@@ -273,7 +278,7 @@ class Options:
 
 def check_outputs(opts: Options) -> None:
     """Raise UsageError if an output file could not be written (before a long run, not after)."""
-    for flag in ("json", "csv", "plot"):
+    for flag in ("json", "csv", "plot", "trace"):
         path = getattr(opts, flag)
         if path is None:
             continue
@@ -317,10 +322,13 @@ def parse_args(argv=None, printing: bool = True) -> Options:
         raise UsageError("--plot needs matplotlib: pip install 'mpiallreduce[plot]'")
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat}: must be at least 1")
+    if args.trace and len(sizes) != 1:
+        raise UsageError(f"--trace records the runs of one size; --sizes {args.sizes!r} gives "
+                         f"{len(sizes)} (give one, e.g. --sizes 64K)")
     return Options(parse_algorithms(args.algorithms), parse_apis(args.api), args.repeat, sizes,
                    dtype, args.op,
                    args.iterations, args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
-                   ranks_per_node, args.quiet, notes)
+                   ranks_per_node, args.quiet, notes, args.trace)
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -380,10 +388,14 @@ def _reference(comm, x: np.ndarray, op: str) -> np.ndarray:
     return ref
 
 
-def _mean_time(run, iterations: int, warmup: int, comm) -> float:
-    """Return this rank's mean seconds per call: warm-up untimed, barrier, timed loop."""
-    for _ in range(warmup):
-        run()
+def _mean_time(run, iterations: int, warmup: int, comm, untraced=contextlib.nullcontext) -> float:
+    """Return this rank's mean seconds per call: warm-up untimed, barrier, timed loop.
+
+    ``untraced()`` is entered around what is not timed (a recorder's ``paused`` with --trace).
+    """
+    with untraced():
+        for _ in range(warmup):
+            run()
     comm.Barrier()
     start = MPI.Wtime()
     for _ in range(iterations):
@@ -405,8 +417,10 @@ def _topology(comm, ranks_per_node: int | None):
 class _Case:
     """One size: this rank's input, the reference result and the per-algorithm measurement."""
 
-    def __init__(self, comm, opts: Options, size: int):
+    def __init__(self, comm, opts: Options, size: int, recorder=None):
         self.comm, self.opts, self.size = comm, opts, size
+        # with --trace, what is not timed is not recorded
+        self.untraced = contextlib.nullcontext if recorder is None else recorder.paused
         self.count = size // opts.dtype.itemsize
         self.x = make_input(self.count, opts.dtype, opts.op, comm.rank)
         self.ref = _reference(comm, self.x, opts.op) if opts.validate else None
@@ -468,14 +482,15 @@ class _Case:
             # in place, every run reduces the last result again: values may overflow to inf,
             # which costs nothing and is never validated (the input is restored first)
             with np.errstate(all="ignore") if opts.in_place else contextlib.nullcontext():
-                seconds = _mean_time(run, self.iterations, self.warmup, comm)
+                seconds = _mean_time(run, self.iterations, self.warmup, comm, self.untraced)
             ok = True
             if opts.validate:
                 if opts.in_place:
                     self.recv[...] = self.x
                 else:
                     self.recv.fill(99)  # so a run that writes nothing cannot pass
-                run()
+                with self.untraced():
+                    run()
                 if api in (MPI_CALL, MPI_INIT) and reducer(op, self.x.dtype).average:
                     np.divide(self.recv, comm.size, out=self.recv)
                 ok = bool(np.array_equal(self.recv, self.ref))
@@ -552,6 +567,7 @@ def metadata(comm, opts: Options) -> dict:
         "timer": "MPI.Wtime",
         "repeat": opts.repeat,
         "api": opts.apis,
+        "trace": opts.trace,
     }
 
 
@@ -714,8 +730,10 @@ def plot(runs: list[tuple[str, list[dict]]], path: str, title: str) -> None:
 
 # -- the command -----------------------------------------------------------------------------------
 
-def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
+def run(comm, opts: Options, out=None, recorder=None) -> tuple[list[Row], list[str], bool]:
     """Measure every size and algorithm; print rows on rank 0 as each size finishes.
+
+    ``recorder`` (--trace: a :class:`mpiallreduce.tracing.Recorder`) records the timed runs.
 
     Returns (rows, notes, all validations passed); rows and notes are complete on rank 0 only.
     """
@@ -735,7 +753,7 @@ def run(comm, opts: Options, out=None) -> tuple[list[Row], list[str], bool]:
     for algorithm, api, _ in opts.cases:
         warm.measure(algorithm, topology, api)
     for size in opts.sizes:
-        case = _Case(comm, opts, size)
+        case = _Case(comm, opts, size, recorder)
         # rounds[label] = [(avg, min, max, ok), ...]: every case once per round, interleaved
         rounds: dict[str, list[tuple[float, float, float, bool]]] = {}
         lines = []
@@ -806,7 +824,8 @@ def main(argv=None, comm=None, out=None) -> int:
     if root and not opts.quiet:
         lines = header_lines(meta, opts.width) + [f"# note: {note}" for note in opts.notes]
         print("\n".join(lines), file=out, flush=True)
-    rows, notes, all_ok = run(comm, opts, out)
+    with mar.trace(opts.trace, comm) if opts.trace else contextlib.nullcontext() as recorder:
+        rows, notes, all_ok = run(comm, opts, out, recorder)
     if root:
         if not opts.quiet:
             print("\n".join(summary_lines(rows, [label for _, _, label in opts.cases])),
@@ -822,6 +841,9 @@ def main(argv=None, comm=None, out=None) -> int:
         if opts.plot:
             plot([("", [asdict(r) for r in rows])], opts.plot,
                  f"allreduce, {comm.size} ranks, {opts.dtype.name} {opts.op}")
+        if opts.trace and not opts.quiet:
+            print(f"# trace of the timed runs: {opts.trace} (Perfetto, chrome://tracing)",
+                  file=out, flush=True)
     comm.Barrier()  # files are complete before any rank returns
     return EXIT_OK if all_ok else EXIT_FAIL
 

@@ -41,6 +41,10 @@ def check_timeout(timeout) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
+#: while tracing, the recorder (:mod:`.tracing`) whose ``program(plan, steps)`` a new Plan
+#: runs instead of its plain flat program (and every Plan is then persistent); None: untraced.
+TRACER = None
+
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
 SINGLE_REQUESTS = 4
 
@@ -400,6 +404,11 @@ class _PlanBase:
                 f"dtype={self._result.dtype} op={op} ranks={self._nranks}>")
 
 
+def _untraced(kind: str, index, group):
+    """The phase hook of a plan bound without tracing: each group of calls as it is."""
+    return group
+
+
 class Plan(_PlanBase):
     """A collective bound to its buffers; ``run()`` repeats it without allocating.
 
@@ -426,6 +435,8 @@ class Plan(_PlanBase):
         self.algorithm = algorithm
         self._label = label or f"{algorithm} allreduce"
         self._layout = layout or Layout.allreduce(recvbuf)
+        persistent = persistent or TRACER is not None  # a traced run is one flat program
+        self._phase = _untraced  # the tracer's hook when bound while tracing (see .tracing)
         self._persistent = persistent
         self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
@@ -457,9 +468,12 @@ class Plan(_PlanBase):
         if self._average:
             last.append(partial(np.divide, self._result, self._nranks, self._result))
         self._last = tuple(last)
-        self._fast = self._flatten() if persistent else None
+        if TRACER is not None:  # tracing (.tracing): bound now, so an untraced run never looks
+            self._fast = TRACER.program(self, steps)
+        else:
+            self._fast = self._flatten() if persistent else None
 
-    def _flatten(self) -> tuple:
+    def _flatten(self, phase=None) -> tuple:
         """Return the whole run without a deadline as one flat tuple of argument-free calls.
 
         The same order as the stepwise loop in :meth:`run`: per step its copies, its requests
@@ -467,26 +481,34 @@ class Plan(_PlanBase):
         :data:`SINGLE_REQUESTS` requests a step are started and waited one by one (cheaper than
         building the C array ``Startall``/``Waitall`` take from a list); waits run in reverse
         so the sends, posted last, are waited first.
+
+        ``phase(kind, index, calls)`` (tracing, see :mod:`.tracing`) returns each group of
+        calls with what records it: ``"run"``, ``"load"``, per step index ``"copy"``,
+        ``"start"``, ``"wait"``, ``"combine"``, then ``"finish"`` and ``"end"``.
         """
-        calls, pending = list(self._first), ()
+        if phase is None:
+            phase = _untraced
+        calls = [*phase("run", None, ()), *phase("load", None, self._first)]
+        pending = ()
         startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
-        for before, requests, combines, defer, _ in self._program:
-            calls += before
+        for before, requests, combines, defer, bound in self._program:
+            calls += phase("copy", bound.index, before)
             if len(requests) <= SINGLE_REQUESTS:
-                calls += [request.Start for request in requests]
+                calls += phase("start", bound.index, [request.Start for request in requests])
             else:
-                calls.append(partial(startall, requests))
+                calls += phase("start", bound.index, [partial(startall, requests)])
             calls += pending
             if len(requests) <= SINGLE_REQUESTS:
-                calls += [request.Wait for request in reversed(requests)]
+                calls += phase("wait", bound.index,
+                               [request.Wait for request in reversed(requests)])
             else:
-                calls.append(partial(waitall, requests))
+                calls += phase("wait", bound.index, [partial(waitall, requests)])
             if defer:
-                pending = combines
+                pending = phase("combine", bound.index, combines)
             else:
                 pending = ()
-                calls += combines
-        return (*calls, *pending, *self._last)
+                calls += phase("combine", bound.index, combines)
+        return (*calls, *pending, *phase("finish", None, self._last), *phase("end", None, ()))
 
     @property
     def nbytes(self) -> int:
@@ -607,15 +629,16 @@ class Plan(_PlanBase):
         polled or tested: :meth:`run`, or a non-blocking request in
         :mod:`mpiallreduce.nonblocking`). The order is :meth:`_flatten`'s: per step its copies,
         its requests started, the previous step's deferred combines, then (after the yield) its
-        combines.
+        combines. A plan bound while tracing records the same phases as its flat program.
         """
-        for call in self._first:
+        phase = self._phase
+        for call in (*phase("run", None, ()), *phase("load", None, self._first)):
             call()
         pending = ()  # combines of a step that wait until the next step's messages are posted
         startall = MPI.Prequest.Startall
         # one tuple per step, bound at plan time (self._program)
         for before, requests, combines, defer, bound in self._program:
-            for call in before:
+            for call in (*phase("copy", bound.index, before), *phase("start", bound.index, ())):
                 call()
             if requests is None:
                 requests = self._post(bound)
@@ -623,19 +646,18 @@ class Plan(_PlanBase):
                 startall(requests)
             for call in pending:  # overlaps this step's transfers
                 call()
+            for call in phase("wait", bound.index, ()):
+                call()
             yield requests, bound
+            combined = phase("combine", bound.index, combines)
             if defer:
-                pending = combines
+                pending = combined
             else:
                 pending = ()
-                for call in combines:
+                for call in combined:
                     call()
-        for call in pending:
+        for call in (*pending, *phase("finish", None, self._last), *phase("end", None, ())):
             call()
-        for call in self._last:
-            call()
-
-    __call__ = run
 
     def _post(self, bound: _BoundStep) -> list:
         tag = self._tag_base + bound.index % STEP_TAGS

@@ -181,7 +181,8 @@ def collective_states(collective: str, nranks: int, root: int = 0):
 def verify(schedule: Schedule,
            initial: Callable[[int, int], Segments] = allreduce_initial,
            expected: Callable[[int, int], Segments] | None = None,
-           ordered: bool | None = None) -> list[Segments]:
+           ordered: bool | None = None,
+           on_step: Callable[[int, list[Segments]], None] | None = None) -> list[Segments]:
     """Run ``schedule`` symbolically and raise ScheduleError at the first inconsistency.
 
     Args:
@@ -190,6 +191,8 @@ def verify(schedule: Schedule,
         expected: ``expected(rank, count)`` gives the segments each rank must end with; a
             segment whose contents are ``None`` is not checked. Default: allreduce.
         ordered: enforce MPI's rank order in every combine (default: ``schedule.ordered``).
+        on_step: called as ``on_step(index, segments)`` after each step with every rank's
+            segments (what ``python -m mpiallreduce.show --contributions`` prints).
 
     Returns:
         The final segments of every rank.
@@ -252,6 +255,8 @@ def verify(schedule: Schedule,
                     buffers[rank].write(merged)
                 else:
                     raise ScheduleError(f"{where}: unknown receive action {recv.action!r}")
+        if on_step is not None:
+            on_step(index, [buffer.read(0, count) for buffer in buffers])
     final = []
     for rank, buffer in enumerate(buffers):
         got = buffer.read(0, count)
@@ -267,6 +272,22 @@ def verify(schedule: Schedule,
     return final
 
 
+def matched(steps: Sequence) -> tuple[dict, dict]:
+    """Pair the messages of one step: ``(sent, got)``, both keyed ``(sender, receiver)``.
+
+    ``steps[rank]`` is each rank's step (or None); ``sent[key]`` lists the sender's Sends to the
+    receiver in order, ``got[key]`` the receiver's Recvs from the sender: the k-th of each match.
+    """
+    sent: dict[tuple[int, int], list] = {}
+    got: dict[tuple[int, int], list] = {}
+    for rank, step in enumerate(steps):
+        for send in step.sends if step else ():
+            sent.setdefault((rank, send.peer), []).append(send)
+        for recv in step.recvs if step else ():
+            got.setdefault((recv.peer, rank), []).append(recv)
+    return sent, got
+
+
 def _check_matching(schedule: Schedule, index: int, steps: Sequence) -> None:
     """Every send in step ``index`` has a receive of the same size in the peer's step, in order."""
     p = schedule.nranks
@@ -276,13 +297,7 @@ def _check_matching(schedule: Schedule, index: int, steps: Sequence) -> None:
         for msg in (*step.sends, *step.recvs):
             if not 0 <= msg.peer < p or msg.peer == rank:
                 raise ScheduleError(f"rank {rank}, step {index}: invalid peer {msg.peer}")
-    sent: dict[tuple[int, int], list] = {}
-    got: dict[tuple[int, int], list] = {}
-    for rank, step in enumerate(steps):
-        for send in step.sends if step else ():
-            sent.setdefault((rank, send.peer), []).append(send)
-        for recv in step.recvs if step else ():
-            got.setdefault((recv.peer, rank), []).append(recv)
+    sent, got = matched(steps)
     for (rank, peer), sends in sent.items():
         recvs = got.get((rank, peer), [])
         for k, send in enumerate(sends):

@@ -1,13 +1,15 @@
 """What a call costs against ``comm.Allreduce``: the bench's ``--api`` rows, medians of repeats.
 
     python scripts/call_cost.py [--ranks 2 4] [--sizes 8 64K 8M] [--repeat 3]
-        [--algorithms native,recursive_doubling]
+        [--algorithms native,recursive_doubling] [--trace]
 
 For every rank count and size, runs ``python -m mpiallreduce.bench --api plan,call,...`` (every
 call mode: plan, one-shot call with and without check, start, iallreduce, the drop-in's
 Allreduce and Allreduce_init)
 ``--repeat`` times under mpirun (a fresh job each time) and prints, per row, the median over the
 repeats of its time / ``comm.Allreduce``'s time in the same run, with the spread (min-max).
+``--trace`` runs the bench with ``--trace`` (its timed schedule runs recorded, the file
+discarded): the cost of tracing, against the same untraced reference.
 Needs the venv's mpirun (or one on PATH); sets Open MPI's variables for root and
 oversubscription as the Makefile does.
 """
@@ -34,7 +36,8 @@ def _mpirun() -> str:
     return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")
 
 
-def bench(ranks: int, size: str, algorithms: str, iterations: int | None, apis: str) -> list[dict]:
+def bench(ranks: int, size: str, algorithms: str, iterations: int | None, apis: str,
+          trace: bool = False) -> list[dict]:
     """Run the bench once; return its rows."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rows.json")
@@ -43,6 +46,8 @@ def bench(ranks: int, size: str, algorithms: str, iterations: int | None, apis: 
                    "--api", apis, "--quiet", "--json", out]
         if iterations:
             command += ["--iterations", str(iterations)]
+        if trace:
+            command += ["--trace", os.path.join(folder, "trace.json")]
         env = {**os.environ, **OPEN_MPI_ENV}
         subprocess.run(command, check=True, env=env, cwd=ROOT, timeout=900)
         with open(out) as f:
@@ -58,14 +63,17 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--api", default="plan,call,call-nocheck,start,iallreduce,comm,comm-init",
                         help="the bench's --api modes to time (default: all of them)")
+    parser.add_argument("--trace", action="store_true",
+                        help="trace the timed runs (bench --trace): what tracing costs")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
-    print(f"# time / comm.Allreduce (same run), median [min-max] of {args.repeat} runs")
+    print(f"# time / comm.Allreduce (same run), median [min-max] of {args.repeat} runs"
+          + (", schedules traced (bench --trace)" if args.trace else ""))
     print(f"# {'ranks':>5} {'size':>6} {'row':<34} {'ratio':>7}  spread          median us")
     for ranks in args.ranks:
         for size in args.sizes:
-            runs = [bench(ranks, size, args.algorithms, args.iterations, args.api)
+            runs = [bench(ranks, size, args.algorithms, args.iterations, args.api, args.trace)
                     for _ in range(args.repeat)]
             labels = [r["algorithm"] for r in runs[0]]
             for label in labels:

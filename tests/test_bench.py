@@ -426,3 +426,27 @@ def test_repeats_and_call_modes_in_one_table():
     assert "# ring/call: mean busbw" in text and "time / comm.Allreduce: 8 " in text
     # one range, or two where a lead at one size beat the spread of these two short rounds
     assert "# recommend 8-16: " in text or ("# recommend 8: " in text and "# recommend 16: " in text)
+
+
+def test_trace_takes_one_size():
+    with pytest.raises(bench.UsageError, match="--trace records the runs of one size"):
+        bench.parse_args(["--sizes", "8:64", "--trace", "t.json"], printing=False)
+    assert bench.parse_args(["--sizes", "64K", "--trace", "t.json"], printing=False).trace == "t.json"
+
+
+@pytest.mark.mpi
+def test_trace_records_the_timed_runs_only(shared_dir):
+    comm, path = MPI.COMM_WORLD, shared_dir / "trace.json"
+    iterations, names = 7, ["ring", "tree"]
+    status, text = _run(comm, ["--sizes", "1K", "--iterations", str(iterations), "--warmup", "3",
+                               "--algorithms", ",".join(names), "--trace", str(path)])
+    assert status == bench.EXIT_OK, text
+    assert f"# trace of the timed runs: {path}" in text
+    if comm.rank == 0:
+        events = json.loads(path.read_text())["traceEvents"]
+        runs = [e for e in events if e["ph"] == "X" and "algorithm" in e.get("args", {})]
+        for rank in range(comm.size):
+            mine = [e["args"]["algorithm"] for e in runs if e["tid"] == rank]
+            # the warm-up and validation runs are not recorded; native is MPI's one call
+            assert mine == [name for name in names for _ in range(iterations)], (rank, mine)
+    comm.Barrier()
