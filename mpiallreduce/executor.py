@@ -344,8 +344,8 @@ class _PlanBase:
         self._in_flight = request
         self._parked, self._fast = self._fast, None  # the inline fast path checks nothing
 
-    def _land(self) -> None:
-        """The started run completed (or failed): the plan may run again."""
+    def landed(self, ok: bool) -> None:
+        """The started run completed (``ok``) or failed: the plan may run again."""
         self._in_flight = None
         if not self._freed and not self._broken:
             self._fast = self._parked
@@ -723,6 +723,16 @@ class NativePlan(_PlanBase):
         """Divide the result by p where the op is AVG (after a run of MPI's SUM)."""
         if self._average:
             np.divide(self._result, self._nranks, out=self._result)
+
+    def landed(self, ok: bool) -> None:
+        """A started run of MPI's persistent request completed: divide for AVG, run again."""
+        super().landed(ok)
+        if ok:
+            self.average()
+
+    def where(self) -> str:
+        """This plan's started run, as a timeout message names it."""
+        return f"native allreduce (started) on rank {self.comm.Get_rank()}"
 
     @property
     def nbytes(self) -> int:

@@ -167,9 +167,9 @@ class _NativeWork:
     requests)`` marks the communicator unusable and raises.
     """
 
-    def __init__(self, requests: list, deadline: float | None, timeout, fail, where: str, keep):
+    def __init__(self, requests: list, deadline: float | None, timeout, fail, where, keep):
         self.requests, self.deadline, self.timeout, self.fail = requests, deadline, timeout, fail
-        self.where = where
+        self.where = where  # names the call in a timeout message (a callable: built on failure)
         self.keep = keep  # the buffers MPI reads and writes until the requests complete
 
     def test(self) -> bool:
@@ -192,7 +192,7 @@ class _NativeWork:
 
     def _check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
-            self.fail(f"{self.where}: not complete within {self.timeout:g} s (a rank did not "
+            self.fail(f"{self.where()}: not complete within {self.timeout:g} s (a rank did not "
                       f"make this call, or ranks run calls on this communicator in different "
                       f"orders; MPI does not say which rank is missing)", self.requests)
 
@@ -408,7 +408,7 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
             if ok and call.reducer.average:
                 np.divide(result, private.Get_size(), out=result)
 
-        where = f"native iallreduce on rank {private.Get_rank()}"
+        where = lambda: f"native iallreduce on rank {private.Get_rank()}"
         fail = lambda reason, pending: state.fail(reason, pending, (call,))
         work = _NativeWork(requests, deadline, timeout, fail, where, call)
         return Request(call.recv, work, finish)
@@ -426,23 +426,15 @@ def start(plan, timeout: float | None = None) -> Request:
     ``free()`` on the plan raise ValueError. Start plans in the same order on every rank.
     """
     timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
+    plan._take_off(True)
     if isinstance(plan, NativePlan):
         requests = plan.persistent_requests()
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def finish(ok):
-            plan._land()
-            if ok:
-                plan.average()
-
-        plan._take_off(True)
         MPI.Prequest.Startall(requests)
-        where = f"native allreduce (started) on rank {plan.comm.Get_rank()}"
-        request = Request(plan.recvbuf,
-                          _NativeWork(requests, deadline, timeout, plan.fail, where, plan), finish)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = Request(plan.recvbuf, _NativeWork(requests, deadline, timeout, plan.fail,
+                                                    plan.where, plan), plan.landed)
     else:
-        plan._take_off(True)
-        request = _schedule_request(plan, timeout, owned=False, finish=lambda ok: plan._land())
+        request = _schedule_request(plan, timeout, owned=False, finish=plan.landed)
     plan._in_flight = request
     return request
 
