@@ -500,12 +500,16 @@ class _Case:
 
 @contextlib.contextmanager
 def _freeing(plan):
-    """Free a plan (or an MPI persistent request, or a mar.Comm request) after the block."""
+    """Release a plan (its own ``with`` block) or an MPI persistent request (``Free``) after the
+    block."""
+    if plan is None or hasattr(plan, "__exit__"):
+        with plan if plan is not None else contextlib.nullcontext():
+            yield
+        return
     try:
         yield
     finally:
-        if plan is not None:
-            (plan.free if hasattr(plan, "free") else plan.Free)()
+        plan.Free()
 
 
 def _stats(comm, seconds: float) -> tuple[float, float, float] | None:
