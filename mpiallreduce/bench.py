@@ -477,7 +477,7 @@ class _Case:
         else:
             run = plan.run
         if api == "plan":
-            self.picked[algorithm] = plan.algorithm
+            self.picked[algorithm] = getattr(plan, "algorithm", algorithm)
         with _freeing(plan):
             # in place, every run reduces the last result again: values may overflow to inf,
             # which costs nothing and is never validated (the input is restored first)
