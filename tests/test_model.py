@@ -235,3 +235,38 @@ def test_predict_512_ranks_is_fast():
 def test_predict_4096_ranks_under_30_s():
     elapsed, stdout = _predict_cli(4096)
     assert elapsed < 30, elapsed
+
+
+# -- more ranks than cores (issue 24, item 2) ----------------------------------------------------
+
+def test_more_ranks_than_cores_is_refused_with_the_reason():
+    from dataclasses import replace
+
+    from mpiallreduce.model import Oversubscribed
+
+    two_cores = replace(PLAIN, cores=2)
+    assert predict("ring", 2, 1024, machine=two_cores).time > 0
+    for nranks, topology in ((4, None), (8, Topology.simulated(8, 4))):
+        for name in ("ring", "hierarchical", "native"):
+            with pytest.raises(Oversubscribed, match="ranks on a node of 2 cores.*core-sharing"):
+                predict(name, nranks, 1024, topology, two_cores)
+    # nodes of 2 ranks on 2-core nodes are fine, however many nodes
+    assert predict("cascade", 8, 1024, Topology.simulated(8, 2), two_cores).time > 0
+    assert predict("ring", 4, 1024, machine=PLAIN).time > 0  # cores unknown: not checked
+    with pytest.raises(ValueError, match="cores"):
+        replace(PLAIN, cores=0)
+
+
+def test_machine_cores_round_trip_and_the_command_line_refuses(tmp_path, capsys):
+    from dataclasses import replace
+
+    path = tmp_path / "m.json"
+    replace(DEFAULT_MACHINE, cores=2).save(path)
+    assert Machine.load(path).cores == 2
+    assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
+                 "--machine", str(path)]) == 2
+    assert "4 ranks on a node of 2 cores" in capsys.readouterr().err
+    assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
+                 "--machine", str(path), "--cores-per-node", "4"]) == 0
+    assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
+                 "--cores-per-node", "2"]) == 2
