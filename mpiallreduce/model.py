@@ -46,7 +46,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -80,6 +80,90 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """In-network reduction (SHARP-like): switches reduce the data as it passes. Modelled only.
+
+    One aggregation operation of b bytes among N node leaders costs
+    ``alpha + 2·levels(N)·hop + (chunks - 1)·chunk + b·beta``: the host's post/inject/eject
+    (``alpha``), one reduction per switch level up the tree and the result back down (``hop``
+    per level and direction, ``levels = ⌈log_radix N⌉``), and the stream through the tree
+    (``beta``). A message above ``limit`` bytes is split into ``⌈b/limit⌉`` operations that
+    are pipelined: each extra one adds ``chunk`` (the switch's per-operation turnaround), so
+    the time grows linearly in b above the limit.
+
+    Args:
+        radix: nodes (or child switches) under one switch of the aggregation tree.
+        name, source: a label, and where the numbers come from (printed by ``predict``).
+    """
+
+    alpha: float
+    hop: float
+    beta: float
+    chunk: float
+    limit: int
+    radix: int
+    name: str = "switch"
+    source: str = ""
+
+    def __post_init__(self):
+        for name in ("alpha", "hop", "beta", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"switch {name} must be a number >= 0 (seconds), got {value!r}")
+        for name, least in (("limit", 1), ("radix", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"switch {name} must be an integer >= {least}, got {value!r}")
+
+    def levels(self, nnodes: int) -> int:
+        """Switch levels of the aggregation tree over ``nnodes`` leaves (at least 1)."""
+        levels, reach = 1, self.radix
+        while reach < nnodes:
+            levels, reach = levels + 1, reach * self.radix
+        return levels
+
+    def chunks(self, nbytes: int) -> int:
+        """Aggregation operations for ``nbytes``: ⌈nbytes / limit⌉, at least 1."""
+        return max(1, -(-int(nbytes) // self.limit))
+
+    def time(self, nnodes: int, nbytes: int) -> float:
+        """Seconds of one in-network allreduce of ``nbytes`` among ``nnodes`` leaders."""
+        if nnodes <= 1:
+            return 0.0
+        return (self.alpha + 2 * self.levels(nnodes) * self.hop
+                + (self.chunks(nbytes) - 1) * self.chunk + nbytes * self.beta)
+
+
+#: SHARP's low-latency aggregation (LLT) on Switch-IB 2 (EDR, 100 Gb/s), fitted to Graham et
+#: al., "Scalable Hierarchical Aggregation Protocol (SHArP): A Hardware Architecture for
+#: Efficient Data Reduction", COMHPC@SC 2016: MPI_Allreduce on 128 hosts took 2.83 µs at 8 B
+#: and 14.48 µs at 4096 B with SHArP (6.01 and 46.93 µs without). The payload per operation
+#: is 256 B on Switch-IB 2 (NVIDIA SHARP v2.6.1 docs, SHARP_COLL_JOB_QUOTA_PAYLOAD_PER_OST:
+#: "256B on Switch-IB 2, 2048B on Quantum"; larger requests are pipelined). Assumed: the host
+#: part α is the 100 Gb/s network's 2 µs, a radix of 18 (36-port switches, half the ports down:
+#: 2 levels at 128 hosts), β the network's; then 8 B gives 2 + 4·hop = 2.83 µs and 4096 B
+#: (16 operations) 2.83 + 15·chunk + 4096β = 14.48 µs.
+SHARP_LLT = Switch(alpha=2.0e-6, hop=0.2075e-6, beta=8.0e-11, chunk=0.7548e-6, limit=256,
+                   radix=18, name="sharp-llt",
+                   source="fitted to Graham et al., COMHPC@SC 2016 (SHArP, Switch-IB 2, EDR: "
+                          "8 B 2.83 us, 4 KiB 14.48 us at 128 hosts); 256 B per operation "
+                          "(NVIDIA SHARP docs); host alpha, radix 18 and beta assumed")
+
+#: SHARP's streaming aggregation (SAT) on Quantum (HDR): Graham et al., "SHARP Streaming-
+#: Aggregation Hardware Design and Evaluation", ISC 2020, measured MPI_Allreduce bandwidth at
+#: about 95% of the network's; the NVIDIA SHARP docs (v2.6.1) give 1073741792 B (1 GiB less
+#: 32 B) as the largest SAT message. β is the model's 100 Gb/s network at 95%; α, hop and
+#: chunk are assumed equal to the LLT fit (no latency figure found), radix 20 (40-port Quantum).
+SHARP_SAT = Switch(alpha=2.0e-6, hop=0.2075e-6, beta=8.0e-11 / 0.95, chunk=0.7548e-6,
+                   limit=1073741792, radix=20, name="sharp-sat",
+                   source="Graham et al., ISC 2020 (SHARP streaming aggregation, HDR: ~95% of "
+                          "network bandwidth); 1 GiB - 32 B per operation (NVIDIA SHARP docs); "
+                          "alpha, hop, chunk assumed as sharp-llt's, radix 20 assumed")
+
+SWITCHES = {switch.name: switch for switch in (SHARP_LLT, SHARP_SAT)}
+
+
+@dataclass(frozen=True)
 class Machine:
     """Model parameters: two link classes, γ per dtype, and the interpreter's terms.
 
@@ -92,6 +176,8 @@ class Machine:
         copy: seconds per byte to allocate a fresh buffer and copy into it: what Open MPI's
             Rabenseifner pays per call on the whole message (it allocates a temporary and
             copies the input into the output), and the schedules do not.
+        switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
+            algorithm ``"sharp"`` uses it.
         cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
             on a node than it has cores is refused (:class:`Oversubscribed`): ranks then wait
             for a time slice, which no term of the model describes.
@@ -105,6 +191,7 @@ class Machine:
     call: float = 0.0
     copy: float = 0.0
     cores: int | None = None
+    switch: Switch | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -129,7 +216,8 @@ class Machine:
         return {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
                 "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
                 "gamma": dict(self.gamma), "step": self.step, "call": self.call,
-                "copy": self.copy, "cores": self.cores, "info": self.info}
+                "copy": self.copy, "cores": self.cores,
+                "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
 
     @classmethod
     def from_dict(cls, data: dict) -> Machine:
@@ -144,10 +232,17 @@ class Machine:
             raise ValueError(f"machine description lacks {error}: it needs intra.alpha, "
                              f"intra.beta, inter.alpha, inter.beta and gamma "
                              f"{{dtype: s/B}}") from None
-        cores = data.get("cores")
+        cores, switch = data.get("cores"), data.get("switch")
+        if switch is not None:
+            try:
+                switch = Switch(**switch)
+            except TypeError as error:
+                raise ValueError(f"machine switch: {error} (it needs alpha, hop, beta, chunk, "
+                                 f"limit, radix)") from None
         return cls(intra, inter, gamma, float(data.get("step", 0.0)),
                    float(data.get("call", 0.0)), float(data.get("copy", 0.0)),
-                   None if cores is None else int(cores), info=dict(data.get("info", {})))
+                   None if cores is None else int(cores), switch,
+                   info=dict(data.get("info", {})))
 
     @classmethod
     def load(cls, path: str) -> Machine:
@@ -743,6 +838,8 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
     itemsize = np.dtype(dtype).itemsize
     if name == "native":
         return _predict_native(nranks, nbytes, topology, machine, dtype, symmetric)
+    if name == "sharp":
+        return _predict_sharp(nranks, nbytes, topology, machine, dtype)
     count = int(nbytes) // itemsize
     key = tuple(sorted(params.items()))
     parts = _base_parts(name, nranks, count) if symmetric and nranks > 1 and count else None
@@ -787,6 +884,53 @@ def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric) -> Pred
     if stand_in == "rabenseifner" and nranks > 1:
         result.time += machine.copy * (int(nbytes) // itemsize * itemsize)
     return result
+
+
+#: the modelled in-network algorithm: no executor runs it (no machine here has such a switch).
+SHARP = "sharp"
+
+
+def _predict_sharp(nranks, nbytes, topology, machine, dtype) -> Prediction:
+    """Reduce to a leader per node, one in-network allreduce among leaders, broadcast back.
+
+    The two node phases are ``hierarchical`` on one node of each node size (binomial reduce
+    and broadcast, with the interpreter's step terms); the switch phase is one executor step
+    plus :meth:`Switch.time` on the whole message. Commutative ops only (the switches reduce
+    in arrival order).
+    """
+    switch = machine.switch
+    if switch is None:
+        raise ValueError("sharp is a modelled in-network reduction: it needs a machine with a "
+                         "switch (predict --switch sharp-llt or sharp-sat, or \"switch\" in the "
+                         "machine file)")
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = int(nbytes) // itemsize * itemsize
+    inside = {size: predict("hierarchical", size, nbytes, None, machine, dtype)
+              for size in set(topology.node_sizes)}
+    across = (switch.time(topology.nnodes, nbytes) + machine.step
+              if topology.nnodes > 1 and nbytes else 0.0)
+    local = max(result.time for result in inside.values()) - machine.call
+    chunks = switch.chunks(nbytes) if topology.nnodes > 1 and nbytes else 0
+    sent_bytes = np.zeros(nranks, dtype=np.int64)
+    sent_messages = np.zeros(nranks, dtype=np.int64)
+    intra_bytes = intra_messages = 0
+    for members in topology.members:
+        result = inside[len(members)]
+        sent_bytes[list(members)] = result.sent_bytes
+        sent_messages[list(members)] = result.sent_messages
+        intra_bytes += result.link_bytes[INTRA]
+        intra_messages += result.link_messages[INTRA]
+    leaders = list(topology.leaders)
+    if chunks:
+        sent_bytes[leaders] += nbytes
+        sent_messages[leaders] += chunks
+    steps = max(result.steps for result in inside.values()) + (1 if chunks else 0)
+    total = local + across
+    return Prediction(SHARP, nranks, nbytes, total + machine.call, np.full(nranks, total),
+                      sent_bytes, sent_messages, (intra_bytes, len(leaders) * nbytes if chunks
+                                                  else 0),
+                      (intra_messages, len(leaders) * chunks), None, steps,
+                      f"closed form ({switch.levels(topology.nnodes)} switch levels)")
 
 
 def candidates(commutative: bool = True) -> list[str]:
@@ -1036,6 +1180,9 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--cores-per-node", type=_positive_int, default=None, metavar="C",
                       help="cores of a node (default: the machine file's \"cores\", unchecked "
                            "if absent); more ranks per node than cores is refused")
+    pred.add_argument("--switch", choices=sorted(SWITCHES), default=None,
+                      help="add in-network reduction (modelled only, parameters printed and "
+                           "cited) and the algorithm 'sharp' that uses it")
     pred.add_argument("--non-commutative", action="store_true",
                       help="predict for a non-commutative op (algorithms that reorder are left out)")
     pred.add_argument("--plot", metavar="FILE.png",
@@ -1051,12 +1198,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _algorithms(text: str, commutative: bool) -> list[str]:
+def _algorithms(text: str, commutative: bool, machine: Machine | None = None) -> list[str]:
     known = candidates(commutative)
+    if commutative and machine is not None and machine.switch is not None:
+        known.append(SHARP)
     if text.strip() == "all":
         return known
     names = [name.strip() for name in text.split(",") if name.strip()]
     for name in names:
+        if name == SHARP and SHARP not in known:
+            raise ValueError("sharp is the modelled in-network reduction: give it a switch "
+                             "(--switch sharp-llt or sharp-sat) and a commutative op")
         if name not in known:
             raise ValueError(f"unknown or refusing algorithm {name!r} in --algorithms; choose "
                              f"from {', '.join(known)}")
@@ -1146,7 +1298,9 @@ def _run_predict(opts, out) -> int:
     except TypeError:
         raise ValueError(f"--dtype {opts.dtype!r} is not a NumPy dtype") from None
     sizes = _sizes(opts.sizes)
-    names = _algorithms(opts.algorithms, not opts.non_commutative)
+    if opts.switch:
+        machine = replace(machine, switch=SWITCHES[opts.switch])
+    names = _algorithms(opts.algorithms, not opts.non_commutative, machine)
     start = time.perf_counter()
     rows = predict_table(opts.ranks, opts.ranks_per_node, sizes, names, machine, dtype,
                          not opts.non_commutative)
@@ -1162,6 +1316,8 @@ def _run_predict(opts, out) -> int:
     print(f"# native: Open MPI coll/tuned's fixed decision in C (recursive doubling below "
           f"{_human(NATIVE_SMALL_BYTES)}, then Rabenseifner plus a copy of the message), no "
           f"interpreter terms", file=out)
+    if machine.switch is not None:
+        _print_switch(machine.switch, opts.ranks, opts.ranks_per_node or opts.ranks, out)
     print(f"#{'size(B)':>11} {'algorithm':<20} {'time(us)':>14} {'busbw(GB/s)':>12} "
           f"{'vs_native':>9} {'steps':>6} {'inter(B)/rank':>14} best", file=out)
     for row in rows:
@@ -1181,11 +1337,50 @@ def _run_predict(opts, out) -> int:
                 winners.append((row["algorithm"], row["size"], row["size"]))
     print("# winners: " + "; ".join(f"{_human(lo)}..{_human(hi)} {name}"
                                     for name, lo, hi in winners), file=out)
+    if SHARP in names:
+        print(_sharp_summary(rows), file=out)
     print(f"# predicted in {time.perf_counter() - start:.1f} s", file=out)
     if opts.plot:
         plot_size = _sizes(opts.plot_size)[0] if opts.plot_size else sizes[-1]
         _plot(opts.plot, rows, opts.ranks, opts.ranks_per_node, names, plot_size, machine, dtype)
     return 0
+
+
+def _print_switch(switch: Switch, nranks: int, per_node: int, out) -> None:
+    nnodes = -(-nranks // per_node)
+    print(f"# switch {switch.name} (MODELLED ONLY: no machine here has a switch that reduces): "
+          f"alpha {switch.alpha * 1e6:.2f} us per operation, {switch.hop * 1e6:.4f} us per "
+          f"level and direction, beta {switch.beta:.3g} s/B, {switch.limit} B per operation "
+          f"(+{switch.chunk * 1e6:.4f} us per extra one), radix {switch.radix}: "
+          f"{switch.levels(nnodes)} levels over {nnodes} nodes", file=out)
+    print(f"# switch source: {switch.source}", file=out)
+    print("# sharp: binomial reduce to a leader per node, one in-network allreduce among the "
+          "leaders (split into operations of the size limit), binomial broadcast in the node",
+          file=out)
+
+
+def _sharp_summary(rows: list[dict]) -> str:
+    """One line: the size ranges where sharp beats both cascade and hierarchical, with ratios."""
+    by_size: dict[int, dict[str, float]] = {}
+    for row in rows:
+        if "time_us" in row:
+            by_size.setdefault(row["size"], {})[row["algorithm"]] = row["time_us"]
+    runs: list[list] = []  # [wins, first size, last size, lowest ratio, highest ratio]
+    for size, times in sorted(by_size.items()):
+        rivals = [times[name] for name in ("cascade", "hierarchical") if name in times]
+        if SHARP not in times or not rivals:
+            continue
+        ratio = times[SHARP] / min(rivals)
+        wins = ratio < 1
+        if runs and runs[-1][0] == wins:
+            run = runs[-1]
+            run[2], run[3], run[4] = size, min(run[3], ratio), max(run[4], ratio)
+        else:
+            runs.append([wins, size, size, ratio, ratio])
+    parts = [f"{'wins' if wins else 'loses'} {_human(lo)}..{_human(hi)} ({low:.2g}-{high:.2g}x)"
+             for wins, lo, hi, low, high in runs]
+    return ("# sharp against the faster of cascade and hierarchical (time ratio): "
+            + ("; ".join(parts) if parts else "not compared (cascade/hierarchical not run)"))
 
 
 def _run_calibrate(opts, out) -> int:

@@ -270,3 +270,89 @@ def test_machine_cores_round_trip_and_the_command_line_refuses(tmp_path, capsys)
                  "--machine", str(path), "--cores-per-node", "4"]) == 0
     assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
                  "--cores-per-node", "2"]) == 2
+
+
+# -- in-network reduction (issue 24, item 3): a modelled switch and the "sharp" algorithm ------
+
+def _with_switch(machine=PLAIN, **changes):
+    from dataclasses import replace
+
+    from mpiallreduce.model import SHARP_LLT
+
+    return replace(machine, switch=replace(SHARP_LLT, **changes))
+
+
+def test_sharp_llt_reproduces_the_published_points_it_was_fitted_to():
+    from mpiallreduce.model import SHARP_LLT
+
+    # Graham et al. 2016: MPI_Allreduce on 128 hosts, 2.83 us at 8 B, 14.48 us at 4096 B
+    assert SHARP_LLT.levels(128) == 2
+    assert SHARP_LLT.time(128, 8) == pytest.approx(2.83e-6, rel=1e-3)
+    assert SHARP_LLT.time(128, 4096) == pytest.approx(14.48e-6, rel=1e-3)
+    assert SHARP_LLT.time(1, 4096) == 0.0
+
+
+def test_sharp_is_flat_in_log_p_at_fixed_ranks_per_node():
+    machine = _with_switch(radix=16)
+    hop = machine.switch.hop
+
+    def sharp(nodes):
+        return predict("sharp", 8 * nodes, 1024, Topology.simulated(8 * nodes, 8), machine).time
+
+    one_level = {sharp(nodes) for nodes in (2, 4, 8, 16)}
+    two_levels = {sharp(nodes) for nodes in (17, 32, 64, 256)}
+    assert len(one_level) == 1 and len(two_levels) == 1      # no log p term at all
+    assert two_levels.pop() - one_level.pop() == pytest.approx(2 * hop, rel=1e-9)
+    # the host algorithms grow with log p over the same range
+    assert predict("hierarchical", 8 * 256, 1024, Topology.simulated(8 * 256, 8), machine).time \
+        > predict("hierarchical", 8 * 2, 1024, Topology.simulated(16, 8), machine).time + 5e-6
+
+
+@pytest.mark.parametrize("per_node", [1, 4])
+def test_sharp_is_linear_in_bytes_above_the_size_limit(per_node):
+    machine = _with_switch()
+    switch, nodes = machine.switch, 64
+    topology = Topology.simulated(nodes * per_node, per_node)
+    times = [predict("sharp", nodes * per_node, k * switch.limit, topology, machine).time
+             for k in range(1, 17)]
+    steps = [b - a for a, b in zip(times, times[1:])]
+    assert steps == pytest.approx([steps[0]] * len(steps), rel=1e-9)
+    if per_node == 1:  # the switch alone: the closed form, one executor step
+        assert steps[0] == pytest.approx(switch.chunk + switch.limit * switch.beta, rel=1e-9)
+        assert times[0] == pytest.approx(switch.alpha + 2 * switch.levels(nodes) * switch.hop
+                                         + switch.limit * switch.beta, rel=1e-9)
+    # below the limit one operation: only the stream term grows
+    small = [predict("sharp", nodes * per_node, size, topology, machine).time
+             for size in (8, 64)]
+    assert small[1] - small[0] < switch.chunk
+
+
+def test_sharp_needs_a_switch_and_round_trips_in_the_machine_file(tmp_path):
+    with pytest.raises(ValueError, match="needs a machine with a switch"):
+        predict("sharp", 16, 1024, Topology.simulated(16, 4), PLAIN)
+    machine = _with_switch(DEFAULT_MACHINE)
+    path = tmp_path / "m.json"
+    machine.save(path)
+    assert Machine.load(path) == machine
+    with pytest.raises(ValueError, match="limit"):
+        _with_switch(limit=0)
+    result = predict("sharp", 16, 1024, Topology.simulated(16, 4), machine)
+    assert result.link_bytes[1] == 4 * 1024 and result.link_messages[1] == 4 * 4  # 256 B each
+
+
+def test_predict_prints_the_switch_parameters_and_where_sharp_wins():
+    import io
+
+    out = io.StringIO()
+    assert main(["predict", "--ranks", "4096", "--ranks-per-node", "8", "--sizes", "8:4K",
+                 "--algorithms", "cascade,hierarchical,sharp", "--switch", "sharp-llt"],
+                out=out) == 0
+    text = out.getvalue()
+    for needle in ("switch sharp-llt", "MODELLED ONLY", "0.2075 us per level", "256 B per "
+                   "operation", "radix 18: 3 levels over 512 nodes", "Graham et al.",
+                   "sharp against the faster of cascade and hierarchical"):
+        assert needle in text, needle
+    rows = [line.split() for line in text.splitlines() if not line.startswith("#")]
+    assert {row[1] for row in rows} == {"cascade", "hierarchical", "sharp"}
+    with pytest.raises(SystemExit):
+        main(["predict", "--ranks", "8", "--switch", "nope"])
