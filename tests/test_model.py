@@ -356,3 +356,44 @@ def test_predict_prints_the_switch_parameters_and_where_sharp_wins():
     assert {row[1] for row in rows} == {"cascade", "hierarchical", "sharp"}
     with pytest.raises(SystemExit):
         main(["predict", "--ranks", "8", "--switch", "nope"])
+
+
+# -- scripts/predict_vs_measured.py on a tiny synthetic input (issue 24, item 5) -----------------
+
+def _script():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "predict_vs_measured.py"
+    spec = importlib.util.spec_from_file_location("predict_vs_measured", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):
+    import io
+    import json
+
+    script = _script()
+    # measured = predicted / f: the ratios 1.0, 1.2, 1.3 and 2.0 are 0%, 20%, 30%, 100% off
+    rows = []
+    for algorithm, ratio in (("ring", 1.0), ("tree", 1.2), ("native", 1.3),
+                             ("recursive_doubling", 2.0)):
+        predicted = predict(algorithm, 2, 1024).time * 1e6
+        rows.append({"size": 1024, "algorithm": algorithm, "avg_us": predicted / ratio})
+    oversubscribed = [{"size": 1024, "algorithm": "ring", "avg_us": 50.0}]
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"cases": {"2": rows, "4": oversubscribed,
+                                              "8/4": oversubscribed}}))
+    out, png = io.StringIO(), tmp_path / "pvm.png"
+    assert script.main(["--measured", str(measured), "--cores", "2", "--plot", str(png)],
+                       out=out) == 0
+    text = out.getvalue()
+    lines = {line.split()[1]: line for line in text.splitlines()
+             if line.startswith("# ") and line.split()[1] in ("2", "4", "8/4")}
+    assert lines["2"].split()[2:8] == ["4", "4", "2", "(50%)", "3", "(75%)"]
+    for case in ("4", "8/4"):
+        assert "ranks on a node of 2 cores" in lines[case] and "core-sharing" in lines[case]
+    assert sum("REFUSED" in line for line in text.splitlines()) == 2
+    assert png.stat().st_size > 10_000
