@@ -58,11 +58,39 @@ from .topology import Topology
 
 INTRA, INTER = 0, 1
 LINK_NAMES = ("intra", "inter")
-#: native is modelled as Open MPI coll/tuned's fixed decision (``allreduce_intra_dec_fixed``,
-#: simplified): recursive doubling below this many bytes per rank (or when the count is below
-#: the largest power of two of p, where its Rabenseifner falls back to it), Rabenseifner from
-#: here on, with no interpreter terms and no knowledge of nodes.
-NATIVE_SMALL_BYTES = 8192
+#: native is modelled as Open MPI 5.0's coll/tuned fixed decision, which is what runs on one
+#: node (coll/han, priority 35, steps aside without remote peers; tuned has 30):
+#: ``ompi_coll_tuned_allreduce_intra_dec_fixed`` in ``coll_tuned_decision_fixed.c``. Rows:
+#: (communicator sizes below, ((bytes per rank below, algorithm), ...)), None for no bound.
+#: Open MPI's algorithms: 1 basic_linear, 2 nonoverlapping (reduce + bcast), 3 recursive
+#: doubling, 4 ring, 5 segmented ring (with the table's segment size 0 it runs the ring),
+#: 6 Rabenseifner.
+OMPI_ALLREDUCE_COMMUTATIVE = (
+    (4, ((8, 4), (4096, 3), (8192, 4), (16384, 3), (65536, 4), (262144, 5), (None, 6))),
+    (8, ((16, 4), (8192, 3), (None, 6))),
+    (16, ((8192, 3), (None, 6))),
+    (32, ((64, 5), (4096, 3), (None, 6))),
+    (64, ((128, 5), (None, 6))),
+    (128, ((262144, 3), (None, 6))),
+    (256, ((131072, 2), (262144, 3), (None, 6))),
+    (512, ((4096, 2), (None, 6))),
+    (2048, ((2048, 2), (16384, 3), (None, 6))),
+    (4096, ((2048, 2), (4096, 5), (16384, 3), (None, 6))),
+    (None, ((2048, 2), (16384, 5), (32768, 3), (None, 6))),
+)
+OMPI_ALLREDUCE_NONCOMMUTATIVE = (
+    (4, ((131072, 3), (None, 1))),
+    (8, ((None, 3),)),
+    (16, ((1048576, 3), (None, 2))),
+    (128, ((None, 3),)),
+    (256, ((131072, 2), (524288, 3), (None, 2))),
+    (512, ((4096, 2), (524288, 3), (None, 2))),
+    (None, ((2048, 2), (None, 3))),
+)
+#: Open MPI's algorithms that copy the whole message per call, out of place: recursive
+#: doubling allocates a temporary and copies the input into it, the ring copies sendbuf into
+#: recvbuf, Rabenseifner allocates a temporary and copies sendbuf into recvbuf.
+OMPI_COPIES = frozenset({3, 4, 5, 6})
 
 
 @dataclass(frozen=True)
@@ -174,8 +202,11 @@ class Machine:
         step: seconds of Python per non-empty step of a schedule (the executor's loop).
         call: seconds of Python per ``Plan.run()`` call, beyond its steps.
         copy: seconds per byte to allocate a fresh buffer and copy into it: what Open MPI's
-            Rabenseifner pays per call on the whole message (it allocates a temporary and
-            copies the input into the output), and the schedules do not.
+            recursive doubling, ring and Rabenseifner pay per call on the whole message
+            (:data:`OMPI_COPIES`), and the schedules do not.
+        native_call: seconds per call of MPI's own ``Allreduce`` from Python beyond its
+            messages: mpi4py's call and the collective's entry, which a point-to-point
+            ping-pong does not include.
         switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
             algorithm ``"sharp"`` uses it.
         cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
@@ -190,6 +221,7 @@ class Machine:
     step: float = 0.0
     call: float = 0.0
     copy: float = 0.0
+    native_call: float = 0.0
     cores: int | None = None
     switch: Switch | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
@@ -216,7 +248,7 @@ class Machine:
         return {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
                 "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
                 "gamma": dict(self.gamma), "step": self.step, "call": self.call,
-                "copy": self.copy, "cores": self.cores,
+                "copy": self.copy, "native_call": self.native_call, "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
 
     @classmethod
@@ -239,9 +271,10 @@ class Machine:
             except TypeError as error:
                 raise ValueError(f"machine switch: {error} (it needs alpha, hop, beta, chunk, "
                                  f"limit, radix)") from None
-        return cls(intra, inter, gamma, float(data.get("step", 0.0)),
-                   float(data.get("call", 0.0)), float(data.get("copy", 0.0)),
-                   None if cores is None else int(cores), switch,
+        return cls(intra, inter, gamma, step=float(data.get("step", 0.0)),
+                   call=float(data.get("call", 0.0)), copy=float(data.get("copy", 0.0)),
+                   native_call=float(data.get("native_call", 0.0)),
+                   cores=None if cores is None else int(cores), switch=switch,
                    info=dict(data.get("info", {})))
 
     @classmethod
@@ -274,6 +307,9 @@ DEFAULT_MACHINE = Machine(
     step=2.86e-6,
     call=0.0,
     copy=2.71e-10,
+    # native measured less native modelled at 2 ranks, median over 8 B..1 KiB, in the quiet
+    # VM's run of scripts/predict_vs_measured-vm.txt (2026-11-30): 0.75-1.24 µs
+    native_call=0.94e-6,
     info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
                     "VM (Open MPI 5.0.11, 2026-11-30, after the executor's flat run loop); "
                     "inter-node a 100 Gb/s network"},
@@ -814,8 +850,10 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
     """Predict allreduce ``name`` on ``nranks`` ranks of ``nbytes`` bytes each.
 
     Args:
-        name: a registered algorithm, or ``"native"`` (:func:`native_algorithm` on
-            :meth:`Machine.native`, plus Rabenseifner's per-call copy; no knowledge of nodes).
+        name: a registered algorithm, ``"native"`` (:func:`native_algorithm` on
+            :meth:`Machine.native`, plus Open MPI's per-call copies and ``native_call``; no
+            knowledge of nodes; ``ordered=True`` for a non-commutative op), or ``"sharp"``
+            (the modelled in-network reduction, which needs ``machine.switch``).
         topology: which rank is on which node (default: all on one node).
         machine: model parameters (default: :data:`DEFAULT_MACHINE`).
         dtype: element type; ``nbytes`` is rounded down to whole elements.
@@ -837,7 +875,8 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
         raise ValueError(f"nbytes must be an integer >= 0, got {nbytes!r}")
     itemsize = np.dtype(dtype).itemsize
     if name == "native":
-        return _predict_native(nranks, nbytes, topology, machine, dtype, symmetric)
+        return _predict_native(nranks, nbytes, topology, machine, dtype, symmetric,
+                               bool(params.get("ordered")))
     if name == "sharp":
         return _predict_sharp(nranks, nbytes, topology, machine, dtype)
     count = int(nbytes) // itemsize
@@ -867,22 +906,45 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
                       steps, quotient.partition)
 
 
-def native_algorithm(nranks: int, nbytes: int, itemsize: int = 4) -> str:
-    """The flat algorithm the modelled native allreduce runs (see :data:`NATIVE_SMALL_BYTES`)."""
+def _ompi_choice(nranks: int, nbytes: int, commutative: bool) -> int:
+    """Open MPI 5.0 coll/tuned's fixed allreduce algorithm number for (p, bytes per rank)."""
+    table = OMPI_ALLREDUCE_COMMUTATIVE if commutative else OMPI_ALLREDUCE_NONCOMMUTATIVE
+    for ranks_below, rows in table:
+        if ranks_below is None or nranks < ranks_below:
+            return next(algorithm for below, algorithm in rows if below is None or nbytes < below)
+    raise AssertionError("the last row of the decision table has no bound")
+
+
+def native_algorithm(nranks: int, nbytes: int, itemsize: int = 4, commutative: bool = True
+                     ) -> str:
+    """The schedule that stands in for what Open MPI 5.0's default allreduce runs.
+
+    Open MPI's ring (and its segmented ring at segment size 0) runs recursive doubling below
+    p elements, its Rabenseifner runs basic_linear below pof2 elements; basic_linear and
+    nonoverlapping (a reduce to rank 0, then a broadcast) are stood in for by ``tree``.
+    """
+    count = nbytes // itemsize
     pof2 = 1 << (max(nranks, 1).bit_length() - 1)
-    if nbytes < NATIVE_SMALL_BYTES or nbytes // itemsize < pof2:
-        return "recursive_doubling"
-    return "rabenseifner"
+    choice = _ompi_choice(nranks, nbytes, commutative)
+    if choice in (4, 5):
+        return "ring" if count >= nranks else "recursive_doubling"
+    if choice == 6 and count >= pof2:
+        return "rabenseifner"
+    return "recursive_doubling" if choice == 3 else "tree"
 
 
-def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric) -> Prediction:
-    """Open MPI's fixed decision in C: no interpreter terms; Rabenseifner copies n per call."""
+def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered=False
+                    ) -> Prediction:
+    """Open MPI's fixed decision in C: no interpreter terms, its copies, mpi4py's call."""
     itemsize = np.dtype(dtype).itemsize
-    stand_in = native_algorithm(nranks, int(nbytes), itemsize)
+    stand_in = native_algorithm(nranks, int(nbytes), itemsize, not ordered)
     result = predict(stand_in, nranks, nbytes, topology, machine.native(), dtype, symmetric)
     result.name = "native"
-    if stand_in == "rabenseifner" and nranks > 1:
-        result.time += machine.copy * (int(nbytes) // itemsize * itemsize)
+    if nranks > 1:
+        choice = _ompi_choice(nranks, int(nbytes), not ordered)
+        if choice in OMPI_COPIES and stand_in != "tree":
+            result.time += machine.copy * (int(nbytes) // itemsize * itemsize)
+        result.time += machine.native_call
     return result
 
 
@@ -944,7 +1006,8 @@ def _choose(nranks: int, nbytes: int, commutative: bool, topology, machine) -> s
     best, best_time = "native", None
     for name in candidates(commutative):
         accepted = algorithms.REGISTRY[name].params if name in algorithms.REGISTRY else {}
-        params = {"ordered": True} if not commutative and "ordered" in accepted else {}
+        params = ({"ordered": True} if not commutative and (name == "native"
+                                                             or "ordered" in accepted) else {})
         try:
             time_ = predict(name, nranks, nbytes, topology, machine, **params).time
         except ValueError:  # refuses this case (e.g. order on interleaved nodes)
@@ -1049,6 +1112,21 @@ def _copy_cost(nbytes: int = 64 << 20, repeats: int = 7) -> float:
     return best / nbytes
 
 
+def _allreduce_cost(comm, iterations: int = 400) -> float:
+    """Seconds per ``comm.Allreduce`` of one float64 from Python (out of place), slowest rank."""
+    from mpi4py import MPI
+
+    x, y = np.ones(1, np.float64), np.empty(1, np.float64)
+    elapsed = float("inf")
+    for _ in range(REPEATS):
+        comm.Barrier()
+        start = MPI.Wtime()
+        for _ in range(iterations):
+            comm.Allreduce(x, y, MPI.SUM)
+        elapsed = min(elapsed, (MPI.Wtime() - start) / iterations)
+    return comm.allreduce(elapsed, op=MPI.MAX)
+
+
 def _step_cost(comm, nsteps: int, iterations: int) -> float:
     """Seconds per ``Plan.run()`` of a schedule of ``nsteps`` one-element exchanges (2 ranks)."""
     from mpi4py import MPI
@@ -1086,7 +1164,8 @@ def calibrate(comm, sizes: Sequence[int] = tuple(4 ** k for k in range(12)),
     squares on the one-way times. γ: the executor's SUM combine on 4 MiB per dtype. ``step``
     and ``call``: ``Plan.run()`` of 1 and 32 one-element exchange steps; the slope less one
     message's α + 8β is the interpreter's cost per step, the rest of the 1-step run the cost
-    per call. The measured link is the inter-node one when ranks 0 and 1 are on different
+    per call. ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it.
+    The measured link is the inter-node one when ranks 0 and 1 are on different
     nodes; the other class comes from ``inter`` (default :data:`NETWORK_100G`) or the default
     machine.
     """
@@ -1106,6 +1185,7 @@ def calibrate(comm, sizes: Sequence[int] = tuple(4 ** k for k in range(12)),
     one, many = _step_cost(comm, 1, 400), _step_cost(comm, 33, 40)
     per_step = max(0.0, (many - one) / 32 - (measured.alpha + 8 * measured.beta))
     per_call = max(0.0, one - per_step - (measured.alpha + 8 * measured.beta))
+    allreduce = _allreduce_cost(comm)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     split = Topology.from_comm(comm)
     across = split.node[0] != split.node[1]
@@ -1119,9 +1199,13 @@ def calibrate(comm, sizes: Sequence[int] = tuple(4 ** k for k in range(12)),
             "inter_source": "measured" if across else "given by hand (--inter-alpha/--inter-beta)"
                             if inter is not NETWORK_100G else "NETWORK_100G (100 Gb/s example)",
             "pingpong": {"sizes": list(map(int, sizes)), "one_way_s": times},
-            "plan_run_s": {"1 step": one, "33 steps": many}}
-    return Machine(intra, inter, gamma, per_step, per_call, copy, comm.bcast(cores, root=0),
-                   info=info)
+            "plan_run_s": {"1 step": one, "33 steps": many},
+            "allreduce_1_float64_s": allreduce}
+    machine = Machine(intra, inter, gamma, per_step, per_call, copy, info=info)
+    # native_call: what comm.Allreduce costs beyond the model of Open MPI's algorithm for it
+    modelled = predict("native", comm.Get_size(), 8, split, machine, "float64").time
+    return replace(machine, native_call=max(0.0, allreduce - modelled),
+                   cores=comm.bcast(cores, root=0))
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -1227,9 +1311,9 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
             continue
         found = []
         for name in names:
-            params = {"ordered": True} if (not commutative and "ordered"
-                                           in getattr(algorithms.REGISTRY.get(name), "params",
-                                                      {})) else {}
+            accepted = getattr(algorithms.REGISTRY.get(name), "params", {})
+            params = ({"ordered": True} if not commutative and (name == "native"
+                                                                or "ordered" in accepted) else {})
             try:
                 found.append(predict(name, nranks, size, topology, machine, dtype, **params))
             except ValueError as error:
@@ -1313,9 +1397,10 @@ def _run_predict(opts, out) -> int:
           f"call {machine.call * 1e6:.2f} us", file=out)
     print("# busbw = size/time*2(p-1)/p (GB/s); vs_native = native/time; * marks the fastest "
           "schedule of the size", file=out)
-    print(f"# native: Open MPI coll/tuned's fixed decision in C (recursive doubling below "
-          f"{_human(NATIVE_SMALL_BYTES)}, then Rabenseifner plus a copy of the message), no "
-          f"interpreter terms", file=out)
+    print(f"# native: Open MPI 5.0 coll/tuned's fixed decision table in C ("
+          f"{_native_ranges(opts.ranks, sizes, dtype)}), plus its per-call copy of the message "
+          f"and mpi4py's call ({machine.native_call * 1e6:.2f} us), no interpreter terms",
+          file=out)
     if machine.switch is not None:
         _print_switch(machine.switch, opts.ranks, opts.ranks_per_node or opts.ranks, out)
     print(f"#{'size(B)':>11} {'algorithm':<20} {'time(us)':>14} {'busbw(GB/s)':>12} "
@@ -1344,6 +1429,18 @@ def _run_predict(opts, out) -> int:
         plot_size = _sizes(opts.plot_size)[0] if opts.plot_size else sizes[-1]
         _plot(opts.plot, rows, opts.ranks, opts.ranks_per_node, names, plot_size, machine, dtype)
     return 0
+
+
+def _native_ranges(nranks: int, sizes: Sequence[int], dtype) -> str:
+    """What native runs over ``sizes``, as ranges: ``8..2K recursive_doubling; 4K.. ring``."""
+    runs: list[list] = []
+    for size in sizes:
+        name = native_algorithm(nranks, size, np.dtype(dtype).itemsize)
+        if runs and runs[-1][0] == name:
+            runs[-1][2] = size
+        else:
+            runs.append([name, size, size])
+    return "; ".join(f"{_human(lo)}..{_human(hi)} {name}" for name, lo, hi in runs)
 
 
 def _print_switch(switch: Switch, nranks: int, per_node: int, out) -> None:
@@ -1403,7 +1500,9 @@ def _run_calibrate(opts, out) -> int:
         for name, value in machine.gamma:
             print(f"gamma {name}: {value:.4g} s/B ({1 / value / 1e9 if value else 0:.2f} GB/s)",
                   file=out)
-        print(f"step: {machine.step * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us", file=out)
+        print(f"step: {machine.step * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
+              f"native_call: {machine.native_call * 1e6:.2f} us, cores: {machine.cores}",
+              file=out)
         print(f"wrote {opts.output}", file=out)
     return 0
 

@@ -397,3 +397,39 @@ def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):
         assert "ranks on a node of 2 cores" in lines[case] and "core-sharing" in lines[case]
     assert sum("REFUSED" in line for line in text.splitlines()) == 2
     assert png.stat().st_size > 10_000
+
+
+# -- native as Open MPI 5.0's decision table and copies (issue 24, item 1) -----------------------
+
+@pytest.mark.parametrize("nranks,nbytes,commutative,expected", [
+    (2, 4, True, "recursive_doubling"),      # table: ring; Open MPI's ring below p elements: rd
+    (2, 8, True, "recursive_doubling"),
+    (2, 4096, True, "ring"),
+    (2, 8192, True, "recursive_doubling"),
+    (2, 128 << 10, True, "ring"),            # segmented ring at segment size 0 runs the ring
+    (2, 1 << 20, True, "rabenseifner"),
+    (4, 8, True, "recursive_doubling"),
+    (4, 64 << 10, True, "rabenseifner"),
+    (4096, 1024, True, "tree"),              # nonoverlapping: reduce + bcast
+    (4096, 8192, True, "recursive_doubling"),
+    (2, 1 << 20, False, "tree"),             # basic_linear
+    (8, 64 << 10, False, "recursive_doubling"),
+    (8, 1 << 20, False, "tree"),             # nonoverlapping from 1 MiB at 8..15 ranks
+])
+def test_native_follows_open_mpi_5_decision_table(nranks, nbytes, commutative, expected):
+    from mpiallreduce.model import native_algorithm
+
+    assert native_algorithm(nranks, nbytes, 4, commutative) == expected
+
+
+def test_native_time_is_the_stand_in_in_c_plus_copy_and_call():
+    from dataclasses import replace
+
+    machine = replace(PLAIN, copy=3e-10, native_call=7e-7, step=1e-5, call=1e-5)
+    for name, nbytes in (("ring", 4096), ("rabenseifner", 1 << 20), ("recursive_doubling", 64)):
+        bare = predict(name, 2, nbytes, machine=machine.native()).time
+        assert predict("native", 2, nbytes, machine=machine).time == pytest.approx(
+            bare + 3e-10 * nbytes + 7e-7, rel=1e-12)
+    tree = predict("tree", 2, 1 << 20, machine=machine.native()).time
+    assert predict("native", 2, 1 << 20, machine=machine, ordered=True).time == pytest.approx(
+        tree + 7e-7, rel=1e-12)
