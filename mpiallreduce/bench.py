@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -37,6 +36,7 @@ from mpi4py import MPI
 import mpiallreduce as mar
 
 from .ops import AVG, DTYPES, OP_NAMES, reducer
+from .sizes import UsageError, human, parse_size, parse_sizes  # noqa: F401 (bench.parse_size...)
 from .topology import Topology
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -48,12 +48,6 @@ DEFAULT_SIZES = "8:16M"
 MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 1000, 20, 64 * 2**20
 _ITERATION_RULE = (f"min({MAX_ITERATIONS}, {BUDGET_BYTES // 2**20}M/size), "
                    f"at least {MIN_ITERATIONS}")
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-class UsageError(Exception):
-    """A bad command line: reported once, by rank 0, and every rank exits with status 2."""
 
 
 class _HelpShown(Exception):
@@ -81,40 +75,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- arguments -------------------------------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-    """Return the byte count of ``text`` ("64", "4K", "16M", "1G"; binary units)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise UsageError(f"bad size {text!r}: expected a number of bytes with an optional K, M or G "
-                         f"suffix (powers of 1024), e.g. 8, 4K, 16M")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
-
-
-def parse_sizes(text: str) -> list[int]:
-    """Return the powers of two from MIN to MAX for ``"MIN:MAX"`` (or the one size ``"N"``);
-    a comma list of those gives their union, sorted (``"8,64K,8M:16M"``)."""
-    if "," in text:
-        return sorted({size for part in text.split(",") for size in parse_sizes(part)})
-    low, sep, high = text.partition(":")
-    sizes = (parse_size(low), parse_size(high) if sep else parse_size(low))
-    for size in sizes:
-        if size < 1 or size & (size - 1):
-            raise UsageError(f"bad size {human(size)} in --sizes {text!r}: sizes must be powers of "
-                             f"two (1, 2, 4, ..., 1K, ..., 1G)")
-    if sizes[0] > sizes[1]:
-        raise UsageError(f"--sizes {text!r}: MIN {human(sizes[0])} is larger than MAX "
-                         f"{human(sizes[1])}")
-    return [1 << k for k in range(sizes[0].bit_length() - 1, sizes[1].bit_length())]
-
-
-def human(size: int) -> str:
-    """Return ``size`` bytes as 8, 4K, 16M, 1G (exact binary units) or plain bytes."""
-    for suffix, unit in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if size >= unit and size % unit == 0:
-            return f"{size // unit}{suffix}"
-    return str(size)
-
 
 def default_iterations(size: int) -> tuple[int, int]:
     """Return (iterations, warm-up) for ``size`` bytes when the command line does not fix them."""

@@ -68,7 +68,7 @@ def build(name: str, nranks: int, count: int, ranks_per_node: int | None = None,
     (``k=4``, ``inner="ring"``, ``segment_bytes=...``); the dtype's itemsize is added where the
     builder takes one, as a plan adds it.
     """
-    from .model import _builder_params
+    from .model.programs import _builder_params
 
     algorithm = algorithms.get(name, collective)
     if ranks_per_node is None:

@@ -235,3 +235,201 @@ def test_predict_512_ranks_is_fast():
 def test_predict_4096_ranks_under_30_s():
     elapsed, stdout = _predict_cli(4096)
     assert elapsed < 30, elapsed
+
+
+# -- more ranks than cores (issue 24, item 2) ----------------------------------------------------
+
+def test_more_ranks_than_cores_is_refused_with_the_reason():
+    from dataclasses import replace
+
+    from mpiallreduce.model import Oversubscribed
+
+    two_cores = replace(PLAIN, cores=2)
+    assert predict("ring", 2, 1024, machine=two_cores).time > 0
+    for nranks, topology in ((4, None), (8, Topology.simulated(8, 4))):
+        for name in ("ring", "hierarchical", "native"):
+            with pytest.raises(Oversubscribed, match="ranks on a node of 2 cores.*core-sharing"):
+                predict(name, nranks, 1024, topology, two_cores)
+    # nodes of 2 ranks on 2-core nodes are fine, however many nodes
+    assert predict("cascade", 8, 1024, Topology.simulated(8, 2), two_cores).time > 0
+    assert predict("ring", 4, 1024, machine=PLAIN).time > 0  # cores unknown: not checked
+    with pytest.raises(ValueError, match="cores"):
+        replace(PLAIN, cores=0)
+
+
+def test_machine_cores_round_trip_and_the_command_line_refuses(tmp_path, capsys):
+    from dataclasses import replace
+
+    path = tmp_path / "m.json"
+    replace(DEFAULT_MACHINE, cores=2).save(path)
+    assert Machine.load(path).cores == 2
+    assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
+                 "--machine", str(path)]) == 2
+    assert "4 ranks on a node of 2 cores" in capsys.readouterr().err
+    assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
+                 "--machine", str(path), "--cores-per-node", "4"]) == 0
+    assert main(["predict", "--ranks", "8", "--ranks-per-node", "4", "--sizes", "8:64",
+                 "--cores-per-node", "2"]) == 2
+
+
+# -- in-network reduction (issue 24, item 3): a modelled switch and the "sharp" algorithm ------
+
+def _with_switch(machine=PLAIN, **changes):
+    from dataclasses import replace
+
+    from mpiallreduce.model import SHARP_LLT
+
+    return replace(machine, switch=replace(SHARP_LLT, **changes))
+
+
+def test_sharp_llt_reproduces_the_published_points_it_was_fitted_to():
+    from mpiallreduce.model import SHARP_LLT
+
+    # Graham et al. 2016: MPI_Allreduce on 128 hosts, 2.83 us at 8 B, 14.48 us at 4096 B
+    assert SHARP_LLT.levels(128) == 2
+    assert SHARP_LLT.time(128, 8) == pytest.approx(2.83e-6, rel=1e-3)
+    assert SHARP_LLT.time(128, 4096) == pytest.approx(14.48e-6, rel=1e-3)
+    assert SHARP_LLT.time(1, 4096) == 0.0
+
+
+def test_sharp_is_flat_in_log_p_at_fixed_ranks_per_node():
+    machine = _with_switch(radix=16)
+    hop = machine.switch.hop
+
+    def sharp(nodes):
+        return predict("sharp", 8 * nodes, 1024, Topology.simulated(8 * nodes, 8), machine).time
+
+    one_level = {sharp(nodes) for nodes in (2, 4, 8, 16)}
+    two_levels = {sharp(nodes) for nodes in (17, 32, 64, 256)}
+    assert len(one_level) == 1 and len(two_levels) == 1      # no log p term at all
+    assert two_levels.pop() - one_level.pop() == pytest.approx(2 * hop, rel=1e-9)
+    # the host algorithms grow with log p over the same range
+    assert predict("hierarchical", 8 * 256, 1024, Topology.simulated(8 * 256, 8), machine).time \
+        > predict("hierarchical", 8 * 2, 1024, Topology.simulated(16, 8), machine).time + 5e-6
+
+
+@pytest.mark.parametrize("per_node", [1, 4])
+def test_sharp_is_linear_in_bytes_above_the_size_limit(per_node):
+    machine = _with_switch()
+    switch, nodes = machine.switch, 64
+    topology = Topology.simulated(nodes * per_node, per_node)
+    times = [predict("sharp", nodes * per_node, k * switch.limit, topology, machine).time
+             for k in range(1, 17)]
+    steps = [b - a for a, b in zip(times, times[1:])]
+    assert steps == pytest.approx([steps[0]] * len(steps), rel=1e-9)
+    if per_node == 1:  # the switch alone: the closed form, one executor step
+        assert steps[0] == pytest.approx(switch.chunk + switch.limit * switch.beta, rel=1e-9)
+        assert times[0] == pytest.approx(switch.alpha + 2 * switch.levels(nodes) * switch.hop
+                                         + switch.limit * switch.beta, rel=1e-9)
+    # below the limit one operation: only the stream term grows
+    small = [predict("sharp", nodes * per_node, size, topology, machine).time
+             for size in (8, 64)]
+    assert small[1] - small[0] < switch.chunk
+
+
+def test_sharp_needs_a_switch_and_round_trips_in_the_machine_file(tmp_path):
+    with pytest.raises(ValueError, match="needs a machine with a switch"):
+        predict("sharp", 16, 1024, Topology.simulated(16, 4), PLAIN)
+    machine = _with_switch(DEFAULT_MACHINE)
+    path = tmp_path / "m.json"
+    machine.save(path)
+    assert Machine.load(path) == machine
+    with pytest.raises(ValueError, match="limit"):
+        _with_switch(limit=0)
+    result = predict("sharp", 16, 1024, Topology.simulated(16, 4), machine)
+    assert result.link_bytes[1] == 4 * 1024 and result.link_messages[1] == 4 * 4  # 256 B each
+
+
+def test_predict_prints_the_switch_parameters_and_where_sharp_wins():
+    import io
+
+    out = io.StringIO()
+    assert main(["predict", "--ranks", "4096", "--ranks-per-node", "8", "--sizes", "8:4K",
+                 "--algorithms", "cascade,hierarchical,sharp", "--switch", "sharp-llt"],
+                out=out) == 0
+    text = out.getvalue()
+    for needle in ("switch sharp-llt", "MODELLED ONLY", "0.2075 us per level", "256 B per "
+                   "operation", "radix 18: 3 levels over 512 nodes", "Graham et al.",
+                   "sharp against the faster of cascade and hierarchical"):
+        assert needle in text, needle
+    rows = [line.split() for line in text.splitlines() if not line.startswith("#")]
+    assert {row[1] for row in rows} == {"cascade", "hierarchical", "sharp"}
+    with pytest.raises(SystemExit):
+        main(["predict", "--ranks", "8", "--switch", "nope"])
+
+
+# -- scripts/predict_vs_measured.py on a tiny synthetic input (issue 24, item 5) -----------------
+
+def _script():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "predict_vs_measured.py"
+    spec = importlib.util.spec_from_file_location("predict_vs_measured", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):
+    import io
+    import json
+
+    script = _script()
+    # measured = predicted / f: the ratios 1.0, 1.2, 1.3 and 2.0 are 0%, 20%, 30%, 100% off
+    rows = []
+    for algorithm, ratio in (("ring", 1.0), ("tree", 1.2), ("native", 1.3),
+                             ("recursive_doubling", 2.0)):
+        predicted = predict(algorithm, 2, 1024).time * 1e6
+        rows.append({"size": 1024, "algorithm": algorithm, "avg_us": predicted / ratio})
+    oversubscribed = [{"size": 1024, "algorithm": "ring", "avg_us": 50.0}]
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"cases": {"2": rows, "4": oversubscribed,
+                                              "8/4": oversubscribed}}))
+    out, png = io.StringIO(), tmp_path / "pvm.png"
+    assert script.main(["--measured", str(measured), "--cores", "2", "--plot", str(png)],
+                       out=out) == 0
+    text = out.getvalue()
+    lines = {line.split()[1]: line for line in text.splitlines()
+             if line.startswith("# ") and line.split()[1] in ("2", "4", "8/4")}
+    assert lines["2"].split()[2:8] == ["4", "4", "2", "(50%)", "3", "(75%)"]
+    for case in ("4", "8/4"):
+        assert "ranks on a node of 2 cores" in lines[case] and "core-sharing" in lines[case]
+    assert sum("REFUSED" in line for line in text.splitlines()) == 2
+    assert png.stat().st_size > 10_000
+
+
+# -- native as Open MPI 5.0's decision table and copies (issue 24, item 1) -----------------------
+
+@pytest.mark.parametrize("nranks,nbytes,commutative,expected", [
+    (2, 4, True, "recursive_doubling"),      # table: ring; Open MPI's ring below p elements: rd
+    (2, 8, True, "recursive_doubling"),
+    (2, 4096, True, "ring"),
+    (2, 8192, True, "recursive_doubling"),
+    (2, 128 << 10, True, "ring"),            # segmented ring at segment size 0 runs the ring
+    (2, 1 << 20, True, "rabenseifner"),
+    (4, 8, True, "recursive_doubling"),
+    (4, 64 << 10, True, "rabenseifner"),
+    (4096, 1024, True, "tree"),              # nonoverlapping: reduce + bcast
+    (4096, 8192, True, "recursive_doubling"),
+    (2, 1 << 20, False, "tree"),             # basic_linear
+    (8, 64 << 10, False, "recursive_doubling"),
+    (8, 1 << 20, False, "tree"),             # nonoverlapping from 1 MiB at 8..15 ranks
+])
+def test_native_follows_open_mpi_5_decision_table(nranks, nbytes, commutative, expected):
+    from mpiallreduce.model import native_algorithm
+
+    assert native_algorithm(nranks, nbytes, 4, commutative) == expected
+
+
+def test_native_time_is_the_stand_in_in_c_plus_copy_and_call():
+    from dataclasses import replace
+
+    machine = replace(PLAIN, copy=3e-10, native_call=7e-7, step=1e-5, call=1e-5)
+    for name, nbytes in (("ring", 4096), ("rabenseifner", 1 << 20), ("recursive_doubling", 64)):
+        bare = predict(name, 2, nbytes, machine=machine.native()).time
+        assert predict("native", 2, nbytes, machine=machine).time == pytest.approx(
+            bare + 3e-10 * nbytes + 7e-7, rel=1e-12)
+    tree = predict("tree", 2, 1 << 20, machine=machine.native()).time
+    assert predict("native", 2, 1 << 20, machine=machine, ordered=True).time == pytest.approx(
+        tree + 7e-7, rel=1e-12)

@@ -1,0 +1,256 @@
+"""The model machine: link classes, in-network switches, cores, and the built-in numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+INTRA, INTER = 0, 1
+LINK_NAMES = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: ``alpha`` seconds per message, ``beta`` seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self):
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"link {name} must be a number >= 0 (seconds), got {value!r}")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """In-network reduction (SHARP-like): switches reduce the data as it passes. Modelled only.
+
+    One aggregation operation of b bytes among N node leaders costs
+    ``alpha + 2·levels(N)·hop + (chunks - 1)·chunk + b·beta``: the host's post/inject/eject
+    (``alpha``), one reduction per switch level up the tree and the result back down (``hop``
+    per level and direction, ``levels = ⌈log_radix N⌉``), and the stream through the tree
+    (``beta``). A message above ``limit`` bytes is split into ``⌈b/limit⌉`` operations that
+    are pipelined: each extra one adds ``chunk`` (the switch's per-operation turnaround), so
+    the time grows linearly in b above the limit.
+
+    Args:
+        radix: nodes (or child switches) under one switch of the aggregation tree.
+        name, source: a label, and where the numbers come from (printed by ``predict``).
+    """
+
+    alpha: float
+    hop: float
+    beta: float
+    chunk: float
+    limit: int
+    radix: int
+    name: str = "switch"
+    source: str = ""
+
+    def __post_init__(self):
+        for name in ("alpha", "hop", "beta", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"switch {name} must be a number >= 0 (seconds), got {value!r}")
+        for name, least in (("limit", 1), ("radix", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"switch {name} must be an integer >= {least}, got {value!r}")
+
+    def levels(self, nnodes: int) -> int:
+        """Switch levels of the aggregation tree over ``nnodes`` leaves (at least 1)."""
+        levels, reach = 1, self.radix
+        while reach < nnodes:
+            levels, reach = levels + 1, reach * self.radix
+        return levels
+
+    def chunks(self, nbytes: int) -> int:
+        """Aggregation operations for ``nbytes``: ⌈nbytes / limit⌉, at least 1."""
+        return max(1, -(-int(nbytes) // self.limit))
+
+    def time(self, nnodes: int, nbytes: int) -> float:
+        """Seconds of one in-network allreduce of ``nbytes`` among ``nnodes`` leaders."""
+        if nnodes <= 1:
+            return 0.0
+        return (self.alpha + 2 * self.levels(nnodes) * self.hop
+                + (self.chunks(nbytes) - 1) * self.chunk + nbytes * self.beta)
+
+
+#: SHARP's low-latency aggregation (LLT) on Switch-IB 2 (EDR, 100 Gb/s), fitted to Graham et
+#: al., "Scalable Hierarchical Aggregation Protocol (SHArP): A Hardware Architecture for
+#: Efficient Data Reduction", COMHPC@SC 2016: MPI_Allreduce on 128 hosts took 2.83 µs at 8 B
+#: and 14.48 µs at 4096 B with SHArP (6.01 and 46.93 µs without). The payload per operation
+#: is 256 B on Switch-IB 2 (NVIDIA SHARP v2.6.1 docs, SHARP_COLL_JOB_QUOTA_PAYLOAD_PER_OST:
+#: "256B on Switch-IB 2, 2048B on Quantum"; larger requests are pipelined). Assumed: the host
+#: part α is the 100 Gb/s network's 2 µs, a radix of 18 (36-port switches, half the ports down:
+#: 2 levels at 128 hosts), β the network's; then 8 B gives 2 + 4·hop = 2.83 µs and 4096 B
+#: (16 operations) 2.83 + 15·chunk + 4096β = 14.48 µs.
+SHARP_LLT = Switch(alpha=2.0e-6, hop=0.2075e-6, beta=8.0e-11, chunk=0.7548e-6, limit=256,
+                   radix=18, name="sharp-llt",
+                   source="fitted to Graham et al., COMHPC@SC 2016 (SHArP, Switch-IB 2, EDR: "
+                          "8 B 2.83 us, 4 KiB 14.48 us at 128 hosts); 256 B per operation "
+                          "(NVIDIA SHARP docs); host alpha, radix 18 and beta assumed")
+
+#: SHARP's streaming aggregation (SAT) on Quantum (HDR): Graham et al., "SHARP Streaming-
+#: Aggregation Hardware Design and Evaluation", ISC 2020, measured MPI_Allreduce bandwidth at
+#: about 95% of the network's; the NVIDIA SHARP docs (v2.6.1) give 1073741792 B (1 GiB less
+#: 32 B) as the largest SAT message. β is the model's 100 Gb/s network at 95%; α, hop and
+#: chunk are assumed equal to the LLT fit (no latency figure found), radix 20 (40-port Quantum).
+SHARP_SAT = Switch(alpha=2.0e-6, hop=0.2075e-6, beta=8.0e-11 / 0.95, chunk=0.7548e-6,
+                   limit=1073741792, radix=20, name="sharp-sat",
+                   source="Graham et al., ISC 2020 (SHARP streaming aggregation, HDR: ~95% of "
+                          "network bandwidth); 1 GiB - 32 B per operation (NVIDIA SHARP docs); "
+                          "alpha, hop, chunk assumed as sharp-llt's, radix 20 assumed")
+
+SWITCHES = {switch.name: switch for switch in (SHARP_LLT, SHARP_SAT)}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Model parameters: two link classes, γ per dtype, and the interpreter's terms.
+
+    Args:
+        intra: link between ranks of one node (shared memory).
+        inter: link between nodes (the network).
+        gamma: ``((dtype name, seconds per reduced byte), ...)``; dtypes not listed use float32's.
+        step: seconds of Python per non-empty step of a schedule (the executor's loop).
+        call: seconds of Python per ``Plan.run()`` call, beyond its steps.
+        copy: seconds per byte to allocate a fresh buffer and copy into it: what Open MPI's
+            recursive doubling, ring and Rabenseifner pay per call on the whole message
+            (:data:`OMPI_COPIES`), and the schedules do not.
+        native_call: seconds per call of MPI's own ``Allreduce`` from Python beyond its
+            messages: mpi4py's call and the collective's entry, which a point-to-point
+            ping-pong does not include.
+        switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
+            algorithm ``"sharp"`` uses it.
+        cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
+            on a node than it has cores is refused (:class:`Oversubscribed`): ranks then wait
+            for a time slice, which no term of the model describes.
+        info: where the numbers come from (MPI library, host, date); not compared.
+    """
+
+    intra: Link
+    inter: Link
+    gamma: tuple[tuple[str, float], ...]
+    step: float = 0.0
+    call: float = 0.0
+    copy: float = 0.0
+    native_call: float = 0.0
+    cores: int | None = None
+    switch: Switch | None = None
+    info: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.cores is not None and (isinstance(self.cores, bool)
+                                       or not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"machine cores must be a positive integer (per node) or None, "
+                             f"got {self.cores!r}")
+
+    def link(self, kind: int) -> Link:
+        return self.inter if kind == INTER else self.intra
+
+    def gamma_for(self, dtype) -> float:
+        """Seconds per reduced byte for ``dtype`` (float32's value for dtypes not calibrated)."""
+        table = dict(self.gamma)
+        return table.get(np.dtype(dtype).name, table.get("float32", 0.0))
+
+    def native(self) -> Machine:
+        """The same machine without interpreter terms: what MPI's own C code pays."""
+        return replace(self, step=0.0, call=0.0)
+
+    def to_dict(self) -> dict:
+        return {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
+                "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
+                "gamma": dict(self.gamma), "step": self.step, "call": self.call,
+                "copy": self.copy, "native_call": self.native_call, "cores": self.cores,
+                "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Machine:
+        """Build a Machine from :meth:`to_dict`'s layout; ValueError names what is missing."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a machine description is a JSON object, got {type(data).__name__}")
+        try:
+            intra = Link(float(data["intra"]["alpha"]), float(data["intra"]["beta"]))
+            inter = Link(float(data["inter"]["alpha"]), float(data["inter"]["beta"]))
+            gamma = tuple(sorted((str(k), float(v)) for k, v in data["gamma"].items()))
+        except (KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"machine description lacks {error}: it needs intra.alpha, "
+                             f"intra.beta, inter.alpha, inter.beta and gamma "
+                             f"{{dtype: s/B}}") from None
+        cores, switch = data.get("cores"), data.get("switch")
+        if switch is not None:
+            try:
+                switch = Switch(**switch)
+            except TypeError as error:
+                raise ValueError(f"machine switch: {error} (it needs alpha, hop, beta, chunk, "
+                                 f"limit, radix)") from None
+        return cls(intra, inter, gamma, step=float(data.get("step", 0.0)),
+                   call=float(data.get("call", 0.0)), copy=float(data.get("copy", 0.0)),
+                   native_call=float(data.get("native_call", 0.0)),
+                   cores=None if cores is None else int(cores), switch=switch,
+                   info=dict(data.get("info", {})))
+
+    @classmethod
+    def load(cls, path: str) -> Machine:
+        """Read a machine file written by ``calibrate`` (or by hand)."""
+        with open(path, encoding="utf-8") as handle:
+            try:
+                data = json.load(handle)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: not JSON ({error})") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+
+
+#: a 100 Gb/s network (InfiniBand HDR100/EDR, 100 GbE RoCE): β = 8 bits / 100e9 b/s = 8e-11 s/B,
+#: α ≈ 2 µs, the one-way small-message latency ``osu_latency`` reports between two such nodes.
+NETWORK_100G = Link(alpha=2.0e-6, beta=8.0e-11)
+
+#: built-in machine: intra-node numbers from ``mpirun -n 2 python -m mpi4py -m
+#: mpiallreduce.model calibrate`` on the 2-core VM of docs/performance.md (scripts/machine-vm.json),
+#: a 100 Gb/s network between nodes.
+DEFAULT_MACHINE = Machine(
+    intra=Link(alpha=1.50e-6, beta=1.43e-10),
+    inter=NETWORK_100G,
+    gamma=(("float32", 7.8e-11), ("float64", 7.6e-11), ("int32", 7.8e-11), ("int64", 8.0e-11)),
+    step=2.86e-6,
+    call=0.0,
+    copy=2.71e-10,
+    # native measured less native modelled at 2 ranks, median over 8 B..1 KiB, in the quiet
+    # VM's run of scripts/predict_vs_measured-vm.txt (2026-11-30): 0.75-1.24 µs
+    native_call=0.94e-6,
+    info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
+                    "VM (Open MPI 5.0.11, 2026-11-30, after the executor's flat run loop); "
+                    "inter-node a 100 Gb/s network"},
+)
+
+
+class Oversubscribed(ValueError):
+    """A prediction for more ranks on a node than the node has cores (not modelled)."""
+
+
+def check_cores(ranks_per_node: int, machine: Machine) -> None:
+    """Raise :class:`Oversubscribed` when ``ranks_per_node`` exceeds ``machine.cores``.
+
+    Ranks beyond the cores run in turns: a rank waiting for a message spins through its time
+    slice while the sender is not scheduled, so a step costs scheduler quanta, not α + bβ.
+    Measured on the 2-core VM (issue 24), runs at 4 ranks took 1-7x and at 8 ranks 2.5-14x
+    the model's prediction, with a spread that follows the machine's other load, so no single
+    core-sharing factor calibrated there would be credible: the model refuses instead of
+    being 10x wrong.
+    """
+    if machine.cores is not None and ranks_per_node > machine.cores:
+        raise Oversubscribed(
+            f"{ranks_per_node} ranks on a node of {machine.cores} cores: ranks would share "
+            f"cores, and the model has no core-sharing term (oversubscribed runs measured 1-14x "
+            f"its predictions); predict at most {machine.cores} ranks per node, or describe a "
+            f"node with more cores (--cores-per-node, or \"cores\" in the machine file)")

@@ -1,0 +1,285 @@
+"""Cost programs: a rank's steps reduced to what the simulator needs, grouped by symmetry.
+
+The quotient (one representative program per class of ranks) and the exact paths (every
+rank's ranges as block-distributed slot spans, built once per (p, topology)); see the
+package documentation for when each is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .. import algorithms
+from ..errors import ScheduleError
+from ..schedule import REDUCE
+from ..topology import Topology
+from .machine import INTER, INTRA
+
+
+@dataclass(frozen=True, slots=True)
+class _CostStep:
+    """One rank's non-empty step: its sends, its port loads per link class, bytes it reduces."""
+
+    sends: tuple[tuple[int, int, int], ...]      # (peer, bytes, link) of non-empty sends
+    send_count: tuple[int, int]                  # messages per link class
+    send_bytes: tuple[int, int]
+    recv_count: tuple[int, int]
+    recv_bytes: tuple[int, int]
+    reduced: int                                 # bytes combined into the buffer
+    recvs: tuple[tuple[int, int, int], ...]      # (peer, bytes, link): for the quotient check
+
+
+def _cost_step(sends, recvs, reduced: int, intern: dict) -> _CostStep:
+    """Return the (interned) cost step of ``(peer, bytes, link)`` sends and receives."""
+    key = (sends, recvs, reduced)
+    found = intern.get(key)
+    if found is None:
+        count, volume, rcount, rvolume = [0, 0], [0, 0], [0, 0], [0, 0]
+        for _, nbytes, link in sends:
+            if nbytes:
+                count[link] += 1
+                volume[link] += nbytes
+        for _, nbytes, link in recvs:
+            if nbytes:
+                rcount[link] += 1
+                rvolume[link] += nbytes
+        found = intern[key] = _CostStep(tuple(s for s in sends if s[1]), tuple(count),
+                                        tuple(volume), tuple(rcount), tuple(rvolume), reduced,
+                                        recvs)
+    return found
+
+
+def _compile(steps, rank: int, node: Sequence[int], itemsize: int, intern: dict
+             ) -> list[_CostStep | None]:
+    """Reduce one rank's steps to cost steps (``None`` for an empty step).
+
+    Equal cost steps are one object (``intern``), so the simulator can tell repeated steps
+    apart by identity.
+    """
+    program: list[_CostStep | None] = []
+    mine = node[rank]
+    for step in steps:
+        if not step:
+            program.append(None)
+            continue
+        sends = tuple([(s.peer, (s.stop - s.start) * itemsize, INTER if node[s.peer] != mine
+                        else INTRA) for s in step.sends])
+        recvs = tuple([(r.peer, (r.stop - r.start) * itemsize, INTER if node[r.peer] != mine
+                        else INTRA) for r in step.recvs])
+        reduced = sum([r.stop - r.start for r in step.recvs if r.action == REDUCE]) * itemsize
+        program.append(_cost_step(sends, recvs, reduced, intern))
+    return program
+
+
+def _rotate(program, rank: int, nranks: int, node: Sequence[int], intern: dict, memo: dict):
+    """Rank 0's cost program as rank ``rank``'s in a rotation-invariant schedule (peers + rank)."""
+    mine = node[rank]
+    rotated = []
+    for cost in program:
+        if cost is None:
+            rotated.append(None)
+            continue
+        key = (id(cost), rank)
+        found = memo.get(key)
+        if found is None:
+            def moved(messages):
+                return tuple((peer, nbytes, INTER if node[peer] != mine else INTRA)
+                             for peer, nbytes in (((rank + p) % nranks, b)
+                                                  for p, b, _ in messages))
+            found = memo[key] = _cost_step(moved(cost.sends), moved(cost.recvs), cost.reduced,
+                                           intern)
+        rotated.append(found)
+    return rotated
+
+
+@dataclass(frozen=True)
+class _Quotient:
+    """Classes of ranks with one representative program each (every rank its own in full mode)."""
+
+    reps: tuple[int, ...]
+    class_of: tuple[int, ...]
+    sizes: tuple[int, ...]
+    programs: tuple[tuple[_CostStep | None, ...], ...]
+    partition: str
+
+    @property
+    def full(self) -> bool:
+        return len(self.reps) == len(self.class_of)
+
+
+def _partitions(topology: Topology, rotation: bool = False):
+    """Candidate partitions, coarsest first: (label, class of every rank).
+
+    For a rotation-invariant schedule only the one that fits the topology: one class when every
+    link is of one kind (one node, or one rank per node), ranks of equal local index on nodes
+    of equal size, else none (every rank is simulated, each program rotated from rank 0's).
+    """
+    nranks = topology.nranks
+    sizes = set(topology.node_sizes)
+    uniform = topology.nnodes == 1 or sizes == {1}
+    if not rotation or uniform:
+        yield "one class", (0,) * nranks
+    if topology.nnodes > 1 and len(sizes) == 1 and topology.contiguous and not uniform:
+        yield "local rank", topology.local_rank
+
+
+def _consistent(programs, class_of) -> bool:
+    """True when the representatives' programs match as a quotient schedule (see module doc)."""
+    length = max((len(p) for p in programs), default=0)
+    previous = None
+    for k in range(length):
+        costs = tuple(program[k] if k < len(program) else None for program in programs)
+        if costs == previous:  # interned: the same step again, already checked
+            continue
+        previous = costs
+        sent, received = set(), set()
+        for index, cost in enumerate(costs):
+            if cost is None:
+                continue
+            for peer, nbytes, link in cost.sends:
+                sent.add((index, class_of[peer], nbytes, link))
+            for peer, nbytes, link in cost.recvs:
+                if nbytes:
+                    received.add((class_of[peer], index, nbytes, link))
+        if sent != received:
+            return False
+    return True
+
+
+#: schedules in which rank r's program is rank 0's with every peer moved by +r (mod p) and the
+#: ranges rotated: only rank 0's program is built (``tests/test_model.py`` checks the property).
+ROTATION_INVARIANT = frozenset({"ring", "ring_segmented"})
+
+
+def _builder_params(name: str, itemsize: int, params: dict) -> dict:
+    accepted = algorithms.get(name).params
+    merged = dict(params)
+    if "itemsize" in accepted:
+        merged.setdefault("itemsize", itemsize)
+    return merged
+
+
+@lru_cache(maxsize=512)
+def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: int,
+              params: tuple, symmetric: bool) -> _Quotient:
+    """Build the cost programs of ``name``: a representative per class, or every rank."""
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    node = topology.node
+    built: dict[int, list] = {}
+    intern: dict = {}
+    memo: dict = {}
+
+    def program(rank: int):
+        if rank not in built:
+            if name in ROTATION_INVARIANT and rank and symmetric:
+                built[rank] = _rotate(program(0), rank, nranks, node, intern, memo)
+            else:
+                steps = algorithm.steps(rank, nranks, count, topology=topology, **merged)
+                built[rank] = _compile(steps, rank, node, itemsize, intern)
+        return built[rank]
+
+    if symmetric:
+        for label, labels in _partitions(topology, name in ROTATION_INVARIANT):
+            ids: dict = {}
+            class_of = tuple(ids.setdefault(label_, len(ids)) for label_ in labels)
+            reps = [0] * len(ids)
+            sizes = [0] * len(ids)
+            for rank in range(nranks - 1, -1, -1):
+                reps[class_of[rank]] = rank
+                sizes[class_of[rank]] += 1
+            programs = [program(rep) for rep in reps]
+            # rotation moves ranks of one local index onto each other and keeps the links;
+            # only block sizes may differ (by one element), so no check
+            if name in ROTATION_INVARIANT or _consistent(programs, class_of):
+                return _Quotient(tuple(reps), class_of, tuple(sizes),
+                                 tuple(tuple(p) for p in programs), label)
+    programs = tuple(tuple(program(rank)) for rank in range(nranks))
+    return _Quotient(tuple(range(nranks)), tuple(range(nranks)), (1,) * nranks, programs,
+                     "every rank")
+
+
+# -- exact paths for schedules without symmetry: ranges as slot spans, every rank in NumPy -----------
+
+def _base_parts(name: str, nranks: int, count: int) -> int | None:
+    """Slots whose block-distributed spans are every range of ``name`` at any ``count``, or None.
+
+    Tree and recursive doubling move the whole vector (one slot); Rabenseifner moves spans of
+    its pof2 slots; the ring and, while every block holds at most one element (count < p), the
+    segmented ring move single ring blocks. Building the schedule once at ``count = parts``
+    (one element per slot) gives every range of every other count by :func:`_span_sizes`:
+    ``tests/test_model.py`` checks the result against the per-count simulation.
+    """
+    if name in ("tree", "recursive_doubling"):
+        return 1
+    if name == "rabenseifner":
+        return 1 << (nranks.bit_length() - 1)
+    if name in ROTATION_INVARIANT and count < nranks:
+        return nranks
+    return None
+
+
+def _span_sizes(count: int, parts: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Elements in slots ``[lo, hi)`` of ``count`` split ``parts`` ways (partition.block)."""
+    q, r = divmod(count, parts)
+    return (hi * q + np.minimum(hi, r)) - (lo * q + np.minimum(lo, r))
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Every rank's messages and reductions at the base count, as arrays (slot ranges)."""
+
+    parts: int
+    active: np.ndarray                  # (steps, p) bool: the rank's step is non-empty
+    sends: tuple[tuple[np.ndarray, ...], ...]    # per step: sender, receiver, link, lo, hi
+    reduces: tuple[tuple[np.ndarray, ...], ...]  # per step: rank, lo, hi of REDUCE receives
+
+
+@lru_cache(maxsize=32)
+def _table(name: str, nranks: int, topology: Topology, itemsize: int, params: tuple,
+           parts: int) -> _Table:
+    """Build every rank's program once at ``count = parts`` and keep it as slot ranges."""
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    node = topology.node
+    programs = [algorithm.steps(rank, nranks, parts, topology=topology, **merged)
+                for rank in range(nranks)]
+    length = max((len(p) for p in programs), default=0)
+    active = np.zeros((length, nranks), dtype=bool)
+    sends, reduces = [], []
+    for k in range(length):
+        out, red = [], []
+        for rank, program in enumerate(programs):
+            if k >= len(program) or not program[k]:
+                continue
+            active[k, rank] = True
+            mine = node[rank]
+            for s in program[k].sends:
+                out.append((rank, s.peer, INTER if node[s.peer] != mine else INTRA,
+                            s.start, s.stop))
+            for r in program[k].recvs:
+                if r.action == REDUCE:
+                    red.append((rank, r.start, r.stop))
+        out_array = np.asarray(out, dtype=np.int64).reshape(-1, 5)
+        red_array = np.asarray(red, dtype=np.int64).reshape(-1, 3)
+        sends.append(tuple(out_array.T))
+        reduces.append(tuple(red_array.T))
+    return _Table(parts, active, tuple(sends), tuple(reduces))
+
+
+@lru_cache(maxsize=32)
+def _ring_base(name: str, nranks: int, itemsize: int, params: tuple):
+    """Rank 0's ring program at ``count = p`` as (send offset, send slot, recv slot, reduces)."""
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    base = []
+    for step_ in algorithm.steps(0, nranks, nranks, **merged):
+        (send,), (recv,) = step_.sends, step_.recvs
+        if send.size != 1 or recv.size != 1 or (send.peer - recv.peer) % nranks != 2 % nranks:
+            raise ScheduleError(f"{name}: rank 0's steps are not single ring blocks")
+        base.append((send.peer, send.start, recv.action == REDUCE))
+    return tuple(base)

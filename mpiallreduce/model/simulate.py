@@ -1,0 +1,241 @@
+"""The simulator: one clock per rank (or class of ranks) through the cost programs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import ScheduleError
+from ..topology import Topology
+from .machine import INTER, INTRA, Machine
+from .programs import _Quotient, _span_sizes, _Table
+
+
+def _exchange(ready: np.ndarray, sender, receiver, link, nbytes, links) -> np.ndarray:
+    """End time of every rank after one step's messages (the rules of :func:`_run`)."""
+    end = ready.copy()
+    if len(sender) == 0:
+        return end
+    alpha = np.array([links[0].alpha, links[1].alpha])
+    beta = np.array([links[0].beta, links[1].beta])
+    cost = alpha[link] + nbytes * beta[link]
+    size = 2 * len(ready)
+    send_port, recv_port = sender * 2 + link, receiver * 2 + link
+    send_load = np.bincount(send_port, weights=cost, minlength=size)
+    recv_load = np.bincount(recv_port, weights=cost, minlength=size)
+    finish = (np.maximum(ready[sender], ready[receiver])
+              + np.maximum(send_load[send_port], recv_load[recv_port]))
+    np.maximum.at(end, sender, finish)
+    np.maximum.at(end, receiver, finish)
+    return end
+
+
+#: above this many ranks the exact paths leave ``Prediction.pairs`` out (``None``): a dict of
+#: every (sender, receiver) pair costs more than the simulation itself.
+PAIRS_RANKS = 512
+
+
+def _totals(nranks: int, sender, receiver, link, nbytes):
+    """(sent bytes, sent messages per rank, link bytes, link messages, pairs) of message arrays."""
+    sent_bytes = np.bincount(sender, weights=nbytes, minlength=nranks).astype(np.int64)
+    sent_messages = np.bincount(sender, minlength=nranks).astype(np.int64)
+    link_bytes = tuple(int(nbytes[link == kind].sum()) for kind in (INTRA, INTER))
+    link_messages = tuple(int((link == kind).sum()) for kind in (INTRA, INTER))
+    pairs = None
+    if nranks <= PAIRS_RANKS:
+        keys = sender * nranks + receiver
+        unique, index, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        sums = np.bincount(index, weights=nbytes, minlength=len(unique)).astype(np.int64)
+        pairs = {(int(k) // nranks, int(k) % nranks): (int(c), int(b))
+                 for k, c, b in zip(unique, counts, sums)}
+    return sent_bytes, sent_messages, link_bytes, link_messages, pairs
+
+
+def _simulate_table(table: _Table, count: int, itemsize: int, machine: Machine, gamma: float
+                    ) -> tuple[np.ndarray, tuple, int]:
+    """Every rank's clock through the table at ``count``: exact, O(messages) NumPy work."""
+    nranks = table.active.shape[1]
+    links = (machine.intra, machine.inter)
+    clock = np.zeros(nranks)
+    messages = []
+    for k in range(table.active.shape[0]):
+        active = table.active[k]
+        ready = clock + machine.step * active
+        sender, receiver, link, lo, hi = table.sends[k]
+        nbytes = _span_sizes(count, table.parts, lo, hi) * itemsize
+        sent = nbytes > 0
+        sender, receiver, link, nbytes = sender[sent], receiver[sent], link[sent], nbytes[sent]
+        end = _exchange(ready, sender, receiver, link, nbytes, links)
+        messages.append((sender, receiver, link, nbytes))
+        rank, rlo, rhi = table.reduces[k]
+        reduced = np.bincount(rank, weights=_span_sizes(count, table.parts, rlo, rhi) * itemsize,
+                              minlength=nranks)
+        clock = np.where(active, end + reduced * gamma, clock)
+    steps = int(table.active.sum(axis=0).max()) if table.active.size else 0
+    return clock, _totals(nranks, *map(np.concatenate, zip(*messages))), steps
+
+
+@lru_cache(maxsize=64)
+def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topology,
+                          itemsize: int, machine: Machine, gamma: float
+                          ) -> tuple[np.ndarray, tuple, int]:
+    """Every rank of a ring with fewer elements than ranks, touching only non-empty messages.
+
+    Rank r's step is rank 0's rotated by r, so the ranks sending a non-empty block in step s
+    are ``(j - slot) mod p`` for the ``count`` one-element blocks j, each to its ring
+    neighbour: one message per port, so a message ends at max(both ready) + α + bβ. Every
+    rank's every step is non-empty (it posts its zero-byte messages' step), so a rank without
+    data in a step only advances by ``step``: clocks are kept relative to that common offset
+    and only the busy ranks are touched. Cached on rank 0's program, so the segmented ring
+    with one piece per block reuses the ring's run.
+    """
+    node = np.asarray(topology.node)
+    links = (machine.intra, machine.inter)
+    alpha = np.array([links[0].alpha, links[1].alpha])
+    cost = alpha + itemsize * np.array([links[0].beta, links[1].beta])
+    relative = np.zeros(nranks)
+    blocks = np.arange(count)
+    senders, receivers = [], []
+    reduce_cost = itemsize * gamma
+    for offset, slot, reduces in base:
+        sender = (blocks - slot) % nranks
+        receiver = (sender + offset) % nranks
+        link = (node[sender] != node[receiver]).astype(np.int64)
+        finish = np.maximum(relative[sender], relative[receiver]) + cost[link]
+        np.maximum.at(relative, sender, finish)
+        np.maximum.at(relative, receiver, finish)
+        if reduces:
+            relative[receiver] += reduce_cost
+        senders.append(sender)
+        receivers.append(receiver)
+    sender, receiver = np.concatenate(senders), np.concatenate(receivers)
+    link = (node[sender] != node[receiver]).astype(np.int64)
+    totals = _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64))
+    return relative + len(base) * machine.step, totals, len(base)
+
+# -- the simulator ---------------------------------------------------------------------------------
+
+@dataclass
+class Prediction:
+    """What the model predicts for one collective.
+
+    Attributes:
+        time: seconds until the last rank finishes (plus the per-call term).
+        finish: seconds at which every rank finishes its steps (array of p).
+        sent_bytes, sent_messages: per rank (arrays of p).
+        link_bytes, link_messages: totals over all ranks per link class (intra, inter).
+        pairs: ``{(sender, receiver): (messages, bytes)}`` when every rank was simulated
+            (``partition == "every rank"``), else ``None``.
+        steps: non-empty steps of the longest program.
+        partition: how ranks were grouped ("every rank", "one class", "local rank").
+    """
+
+    name: str
+    nranks: int
+    nbytes: int
+    time: float
+    finish: np.ndarray
+    sent_bytes: np.ndarray
+    sent_messages: np.ndarray
+    link_bytes: tuple[int, int]
+    link_messages: tuple[int, int]
+    pairs: dict | None
+    steps: int
+    partition: str
+
+    @property
+    def busbw(self) -> float:
+        """Bus bandwidth in B/s: size / time · 2(p-1)/p (nccl-tests' definition)."""
+        if self.time <= 0 or self.nranks < 2:
+            return 0.0
+        return self.nbytes / self.time * 2 * (self.nranks - 1) / self.nranks
+
+
+def _run(quotient: _Quotient, machine: Machine, gamma: float) -> np.ndarray:
+    """Simulate the class clocks; return the finish time of every class.
+
+    A step that repeats the previous one (the same interned cost step in every class) after a
+    step that advanced every clock by the same δ advances them by δ again (the step is a
+    max-plus map, which commutes with adding a constant), so runs of equal steps in steady state
+    cost one addition: a ring's 2(p-1) equal steps are simulated in a few.
+    """
+    nclasses = len(quotient.reps)
+    class_of = quotient.class_of
+    links = (machine.intra, machine.inter)
+    clock = [0.0] * nclasses
+    programs = quotient.programs
+    length = max((len(p) for p in programs), default=0)
+    previous, delta, steady = None, 0.0, False
+    for k in range(length):
+        costs = tuple(program[k] if k < len(program) else None for program in programs)
+        if steady and costs == previous:
+            clock = [t + delta for t in clock]
+            continue
+        before = clock[:]
+        active = []
+        ready = {}
+        send_load, recv_load = {}, {}
+        for c, cost in enumerate(costs):
+            if cost is None:
+                continue
+            active.append((c, cost))
+            ready[c] = clock[c] + machine.step
+            send_load[c] = tuple(cost.send_count[i] * links[i].alpha
+                                 + cost.send_bytes[i] * links[i].beta for i in (0, 1))
+            recv_load[c] = tuple(cost.recv_count[i] * links[i].alpha
+                                 + cost.recv_bytes[i] * links[i].beta for i in (0, 1))
+        end = dict(ready)
+        for c, cost in active:
+            for peer, _, link in cost.sends:
+                d = class_of[peer]
+                if d not in ready:
+                    raise ScheduleError(f"rank {quotient.reps[c]}, step {k}: sends to rank {peer}, "
+                                        f"which has no step {k}")
+                finish = max(ready[c], ready[d]) + max(send_load[c][link], recv_load[d][link])
+                if finish > end[c]:
+                    end[c] = finish
+                if finish > end[d]:
+                    end[d] = finish
+        for c, cost in active:
+            clock[c] = end[c] + cost.reduced * gamma
+        increments = {clock[c] - before[c] for c in range(nclasses)}
+        steady = costs == previous and len(active) == nclasses and len(increments) == 1
+        delta = increments.pop() if steady else 0.0
+        previous = costs
+    return np.asarray(clock, dtype=float)
+
+
+def _counts(quotient: _Quotient):
+    """Per-class and per-link message counts of a quotient (cached: the quotient is)."""
+    found = _COUNTS.get(id(quotient))
+    if found is not None and found[0] is quotient:
+        return found[1]
+    sizes = quotient.sizes
+    sent_bytes = np.zeros(len(quotient.reps), dtype=np.int64)
+    sent_messages = np.zeros(len(quotient.reps), dtype=np.int64)
+    link_bytes, link_messages = [0, 0], [0, 0]
+    pairs: dict | None = {} if quotient.full else None
+    steps = 0
+    for c, program in enumerate(quotient.programs):
+        steps = max(steps, sum(1 for cost in program if cost is not None))
+        for cost in program:
+            if cost is None:
+                continue
+            for peer, nbytes_sent, link in cost.sends:
+                sent_bytes[c] += nbytes_sent
+                sent_messages[c] += 1
+                link_bytes[link] += nbytes_sent * sizes[c]
+                link_messages[link] += sizes[c]
+                if pairs is not None:
+                    messages, volume = pairs.get((quotient.reps[c], peer), (0, 0))
+                    pairs[(quotient.reps[c], peer)] = (messages + 1, volume + nbytes_sent)
+    result = (sent_bytes, sent_messages, tuple(link_bytes), tuple(link_messages), pairs, steps)
+    if len(_COUNTS) > 512:
+        _COUNTS.clear()
+    _COUNTS[id(quotient)] = (quotient, result)
+    return result
+
+
+_COUNTS: dict = {}
