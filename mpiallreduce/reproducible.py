@@ -1,0 +1,649 @@
+"""Reproducible sums: the same bits whatever the algorithm, the rank order or the number of ranks.
+
+A floating-point sum depends on the order of its additions; an integer sum does not. Every
+value is turned into an exact fixed-point integer in units of ``2**u``, the integers are summed
+(any algorithm, native included, gives the same words), and the total is rounded back to the
+float type once, identically on every rank.
+
+**Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
+chosen per element from the largest exponent among its contributions, agreed with one
+``Allreduce(MAX)`` of 2 bytes per element (the top 16 bits of each value, sign moved to the
+bottom: exponent, 4 (float64) or 7 (float32) leading mantissa bits and a "not negative" flag).
+A float64 element is held in :data:`WORDS` ``= 2`` int64 words of :data:`WORD_BITS` ``= 42``
+bits (84 bits below the largest contribution's binade), a float32 one in 1 word (42 bits); the
+words carry 21 bits of headroom, so up to :data:`MAX_CONTRIBUTIONS` ranks sum without overflow
+(a larger communicator is refused: never a silent wrap). Two words and not three: the words are
+what the algorithm moves, so their bytes are the cost at large sizes (2x the data at 2 words,
+3x at 3; README, "Reproducible sums"). Binned floating-point accumulators (ReproBLAS) need a
+user-defined combine to align bins (a Python callback in every combine) or a fixed bin grid of
+many more words; integer words use the built-in SUM of every algorithm.
+
+**Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): one unit for the whole global
+vector (from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
+arguments), each rank accumulates its values exactly into Python integers (int64 partial sums of
+at most 2**20 values, so they cannot overflow), and the ranks sum 4 words of 42 bits. The result
+depends on the global vector only, never on its split over ranks.
+
+Rounding: a value on the unit's grid is converted exactly; below it, it is truncated (error
+under one unit). So an element whose contributions all lie within 84 - 53 = 31 binades (float64;
+42 - 24 = 18 for float32) of its largest comes out correctly rounded (as ``math.fsum``), and
+otherwise within ``count * 2**u`` plus half an ulp, ``u = e_max - 84`` (``e_max - 42``), where
+``2**(e_max-1) <= largest magnitude < 2**e_max``. Special values follow IEEE addition: a NaN
+anywhere gives NaN, +inf with -inf gives NaN, infinities of one sign give that infinity, a true
+sum beyond the largest float gives an infinity of its sign, and -0 only when every
+contribution is -0. NaN results are the canonical quiet NaN (payloads are not kept).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _plans
+from ._agree import prepare
+from ._checks import ALGORITHMS, allreduce_call
+from ._state import CALLS
+from ._state import state as comm_state
+from .executor import NativePlan, _PlanBase, flat
+from .ops import reducer
+
+#: bits of each fixed-point word below its 21 bits of carry headroom.
+WORD_BITS = 42
+#: most contributions (ranks) an element may have: each word then stays below 2**62.
+MAX_CONTRIBUTIONS = 1 << 20
+#: values summed with NumPy's int64 sum at once before the partial sum moves to a Python int.
+LOCAL_CHUNK = 1 << 20
+
+_SPECIAL_NAN = 1 << 42  # counts of NaN, -inf and +inf contributions, 21 bits each
+_SPECIAL_NEGINF = 1 << 21
+_COUNT_MASK = (1 << 21) - 1
+
+
+class _Format:
+    """How one float type is held: words per value and the layout of its top 16 bits."""
+
+    def __init__(self, dtype, words: int, mantissa: int, exponent_bits: int, min_unit: int):
+        self.dtype = np.dtype(dtype)
+        self.words = words
+        self.bits = words * WORD_BITS  # fraction bits below the element's top binade
+        self.mantissa = mantissa  # significant bits, the hidden one included
+        self.all_ones = (1 << exponent_bits) - 1  # biased exponent of inf and NaN
+        self.bias = (1 << (exponent_bits - 1)) - 2  # |x| < 2**(b - bias) for biased exponent b
+        self.min_unit = min_unit  # the subnormal spacing: every value is a multiple of it
+        self.max_exponent = 1 << (exponent_bits - 1)  # 2**max_exponent overflows
+        # key = top 16 bits << 1 | not-negative: the exponent field starts at bit 16 - exponent_bits
+        self.key_shift = 16 - exponent_bits
+        self.top = self.dtype.itemsize // 2 - 1 if sys.byteorder == "little" else 0
+
+
+FORMATS = {np.dtype(np.float64): _Format(np.float64, 2, 53, 11, -1074),
+           np.dtype(np.float32): _Format(np.float32, 1, 24, 8, -149)}
+_REAL = {np.dtype(np.complex128): np.dtype(np.float64),
+         np.dtype(np.complex64): np.dtype(np.float32)}
+
+
+def check(op_name: str, dtype: np.dtype) -> None:
+    """Raise ValueError unless ``reproducible=True`` covers (op, dtype)."""
+    dtype = np.dtype(dtype)
+    if op_name in ("SUM", "AVG") and (dtype in FORMATS or dtype in _REAL):
+        return
+    raise ValueError(
+        f"reproducible=True covers SUM and AVG on float32, float64, complex64 and complex128, "
+        f"not {op_name} on {dtype}; MIN, MAX and sums of integers are exact, so every algorithm "
+        f"and rank order already gives the same bits: pass reproducible=False")
+
+
+def _float_view(array: np.ndarray) -> np.ndarray:
+    """The flat float view of a float or complex array (real and imaginary parts interleaved)."""
+    values = flat(array)
+    return values.view(_REAL.get(values.dtype, values.dtype))
+
+
+class ReproduciblePlan(_PlanBase):
+    """An elementwise SUM/AVG whose result bits do not depend on the algorithm or rank order.
+
+    A run: the top 16 bits of each value (:meth:`_keys`), an ``Allreduce(MAX)`` of them, the
+    values converted to int64 words (:meth:`_to_words`), the words summed by ``inner`` (the
+    plan of the requested algorithm, integer SUM), the words rounded back (:meth:`_from_words`).
+    Every buffer is allocated here, none in ``run()``.
+    """
+
+    def __init__(self, call, state, *, explicit: bool, timeout: float | None,
+                 deadline: float | None, what: str):
+        private = state.private
+        nranks = private.Get_size()
+        if nranks > MAX_CONTRIBUTIONS:
+            raise ValueError(f"reproducible=True sums at most {MAX_CONTRIBUTIONS} contributions "
+                             f"per element (the int64 words' headroom); this communicator has "
+                             f"{nranks} ranks")
+        values = _float_view(call.recv if call.send is None else call.send)
+        fmt = FORMATS[values.dtype]
+        size = values.size
+        self.algorithm = call.algorithm
+        self._fmt = fmt
+        self._values = values
+        self._out = _float_view(call.recv)
+        self._top = values.view(np.uint16)[fmt.top::values.itemsize // 2]
+        self._key = np.empty(size, np.uint16)
+        self._bit = np.empty(size, np.uint16)
+        self._max = np.empty(size, np.uint16)
+        self._shift = np.empty(size, np.int32)  # -u, then u
+        self._scaled = np.empty(size, values.dtype)
+        self._work = np.empty(size, np.float64)
+        self._words = np.empty((fmt.words, size), np.int64)
+        self._carry = np.empty(size, np.int64) if fmt.words > 1 else None
+        comm = state.duplicate(deadline, what) if explicit else private
+        self._keys_plan = NativePlan(comm, self._key, self._max, reducer(MPI.MAX, np.uint16),
+                                     state=state, owned=explicit)
+        words = replace(call, send=None, recv=self._words.reshape(-1),
+                        reducer=reducer(MPI.SUM, np.int64))
+        self._inner = _plans.build(words, state, explicit=explicit, persistent=True,
+                                   timeout=None, deadline=deadline, what=what)
+        super().__init__(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self._key, self._bit, self._max, self._shift, self._scaled, self._work,
+                  self._words, self._carry)
+        return self._inner.nbytes + int(np.add.reduce([a.nbytes for a in arrays if a is not None]))
+
+    def run(self, timeout: float | None = None) -> np.ndarray:
+        """Sum every rank's values into the result, reproducibly; return the result buffer."""
+        timeout, deadline = self._start(timeout)
+        self._keys()
+        self._keys_plan.run(_left(deadline))
+        special, negative = self._units()
+        if special:
+            with np.errstate(invalid="ignore", over="ignore"):
+                self._to_words()
+            codes = self._special_codes()
+        else:
+            self._to_words()
+        self._inner.run(_left(deadline))
+        if special:
+            found = self._words[0][codes]
+            self._words[:, codes] = 0
+        self._from_words()
+        out = self._out
+        if special:
+            out[codes] = _decode_specials(found)
+        if negative:  # every contribution negative and below 2**-1026 (float32: 2**-130)
+            zeros = np.flatnonzero(self._max == 0)
+            out[zeros] = np.copysign(out[zeros], -1.0)
+        if self._average:
+            np.divide(out, self._nranks, out=out)
+        return self.recvbuf
+
+    __call__ = run
+
+    def _keys(self) -> None:
+        """key = top 16 bits without the sign, shifted up one, with bit 0 set unless negative."""
+        top, key, bit = self._top, self._key, self._bit
+        np.right_shift(top, 15, out=bit)
+        np.bitwise_xor(bit, 1, out=bit)
+        np.left_shift(top, 1, out=key)
+        np.bitwise_or(key, bit, out=key)
+
+    def _units(self) -> tuple[bool, bool]:
+        """Set ``_shift`` to -u per element from the agreed keys; say whether an element has an
+        inf or NaN contribution and whether one has only negative tiny ones (a -0 candidate)."""
+        fmt, shift, keys = self._fmt, self._shift, self._max
+        np.right_shift(keys, fmt.key_shift, out=shift)  # the biased exponent b
+        special = bool(shift.size) and int(shift.max()) == fmt.all_ones
+        negative = bool(shift.size) and int(keys.min()) == 0
+        np.maximum(shift, 1, out=shift)
+        # |x| < 2**(b - bias), so u = b - bias - bits, and never below the subnormal spacing
+        np.subtract(fmt.bias + fmt.bits, shift, out=shift)
+        np.minimum(shift, -fmt.min_unit, out=shift)
+        return special, negative
+
+    def _to_words(self) -> None:
+        """Convert each value to its words: ``x * 2**-u = hi * 2**42 + lo``, lo in [0, 2**42)."""
+        scaled, words = self._scaled, self._words
+        np.ldexp(self._values, self._shift, out=scaled)
+        if self._fmt.words == 1:
+            np.copyto(words[0], scaled, casting="unsafe")  # truncation toward zero
+            return
+        work = self._work
+        np.multiply(scaled, 2.0 ** -WORD_BITS, out=work)
+        np.floor(work, out=words[0], casting="unsafe")
+        np.multiply(words[0], -2.0 ** WORD_BITS, out=work)
+        np.add(scaled, work, out=words[1], casting="unsafe")  # exact on the grid, else truncated
+
+    def _special_codes(self) -> np.ndarray:
+        """Replace the words of elements with an inf or NaN contribution by counts of them."""
+        fmt = self._fmt
+        codes = np.flatnonzero((self._max >> fmt.key_shift) == fmt.all_ones)
+        values = self._values[codes]
+        self._words[:, codes] = 0
+        self._words[0][codes] = (np.isposinf(values) + _SPECIAL_NEGINF * np.isneginf(values)
+                                 + _SPECIAL_NAN * np.isnan(values))
+        return codes
+
+    def _from_words(self) -> None:
+        """Round ``hi * 2**42 + lo`` times 2**u to the float type, once."""
+        shift, out = self._shift, self._out
+        np.negative(shift, out=shift)
+        words = self._words
+        if self._fmt.words == 1:
+            # int64 -> float32 is one correctly rounded conversion; scaling by 2**u is exact
+            # (a subnormal result is a small multiple of 2**u >= 2**-149, so representable)
+            np.copyto(self._scaled, words[0], casting="unsafe")
+            np.ldexp(self._scaled, shift, out=out)
+            return
+        hi, lo, carry, work = words[0], words[1], self._carry, self._work
+        np.right_shift(lo, WORD_BITS, out=carry)
+        np.bitwise_and(lo, (1 << WORD_BITS) - 1, out=lo)
+        np.add(hi, carry, out=hi)
+        if self._nranks > 1 << 10:
+            # |hi| may exceed 2**53: its low 11 bits join lo so both convert exactly
+            np.bitwise_and(hi, (1 << 11) - 1, out=carry)
+            np.subtract(hi, carry, out=hi)
+            np.left_shift(carry, WORD_BITS, out=carry)
+            np.add(lo, carry, out=lo)
+        np.multiply(hi, 2.0 ** WORD_BITS, out=work)  # exact
+        np.add(work, lo, out=work)  # the one rounding
+        np.ldexp(work, shift, out=out)  # exact, or inf when the true sum overflows
+
+    def free(self) -> None:
+        """Release the inner plans (idempotent)."""
+        if not self._freed:
+            self._inner.free()
+            self._keys_plan.free()
+        super().free()
+
+    def __repr__(self) -> str:
+        return (f"<mpiallreduce.ReproduciblePlan {self.algorithm} count={self._values.size} "
+                f"dtype={self._values.dtype} ranks={self._nranks}>")
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (at least a microsecond), or None."""
+    if deadline is None:
+        return None
+    return max(deadline - time.monotonic(), 1e-6)
+
+
+def _decode_specials(codes: np.ndarray) -> np.ndarray:
+    """NaN if any NaN or both infinities, else the infinity present (counts from the words)."""
+    nan = (codes >> 42) > 0
+    negative = ((codes >> 21) & _COUNT_MASK) > 0
+    positive = (codes & _COUNT_MASK) > 0
+    result = np.where(positive, np.inf, -np.inf)
+    result[nan | (positive & negative)] = np.nan
+    return result
+
+
+# -- entry points for api.py ---------------------------------------------------------------------
+
+def _checked_call(sendbuf, recvbuf, op, comm, algorithm, topology, params):
+    call = allreduce_call(sendbuf, recvbuf, op, comm, algorithm, topology, params)
+    check(call.reducer.name, call.recv.dtype)
+    return call
+
+
+class _Agreed:
+    """A checked call whose signature also says ``reproducible`` (ranks must agree on it)."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def signature(self, timeout) -> list[int]:
+        fields = self.call.signature(timeout)
+        fields[6] = (fields[6] ^ 0x52455052) & 0x7FFFFFFF  # the parameters field, marked
+        return fields
+
+
+def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    agreed = prepare(what, comm, check_args, lambda comm: _Agreed(_checked_call(
+        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout)
+    return agreed.call
+
+
+class _Entry:
+    """A one-shot reproducible plan kept in the communicator's call cache (``_state.CallCache``)."""
+
+    __slots__ = ("plan", "objects", "dtype", "nbytes")
+
+    def __init__(self, plan: ReproduciblePlan, objects: tuple, dtype: np.dtype):
+        self.plan, self.objects, self.dtype = plan, objects, dtype
+        self.nbytes = plan.nbytes
+
+    def free(self) -> None:
+        self.plan.free()
+
+
+def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """``mpiallreduce.allreduce(..., reproducible=True)``: a plan bound once per set of arrays."""
+    call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
+                    timeout, params)
+    if call.recv.size == 0:
+        return call.recv
+    state = comm_state(call.comm)
+    key = None
+    if isinstance(recvbuf, np.ndarray) and (sendbuf is MPI.IN_PLACE
+                                            or isinstance(sendbuf, np.ndarray)):
+        # key[2] is what CallCache files under LAST: never an int, so never a plain call's
+        key = ("reproducible", id(call.comm), ("reproducible", id(recvbuf)), id(sendbuf), id(op),
+               algorithm, id(topology), tuple(sorted(params.items())))
+        try:
+            entry = CALLS.get(key)
+        except TypeError:  # a parameter value that cannot be hashed: no caching
+            entry = key = None
+        if entry is not None and entry.plan.recvbuf is call.recv \
+                and entry.plan.sendbuf is call.send and entry.dtype == call.recv.dtype \
+                and entry.plan._state is state:
+            return entry.plan.run(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    bound = ReproduciblePlan(call, state, explicit=False, timeout=None, deadline=deadline,
+                             what="allreduce")
+    if key is not None and state.calls.put(
+            key, _Entry(bound, (call.comm, sendbuf, recvbuf, op, topology), call.recv.dtype)):
+        return bound.run(timeout)
+    try:
+        return bound.run(timeout)
+    finally:
+        bound.free()
+
+
+def plan(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """``mpiallreduce.plan(..., reproducible=True)``: a persistent :class:`ReproduciblePlan`."""
+    call = _prepare("plan", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
+                    timeout, params)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return ReproduciblePlan(call, comm_state(call.comm), explicit=True, timeout=timeout,
+                            deadline=deadline, what="plan")
+
+
+def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """``mpiallreduce.iallreduce(..., reproducible=True)``: a plan started once, then freed."""
+    from .nonblocking import Request, start
+
+    call = _prepare("iallreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
+                    timeout, params)
+    if call.recv.size == 0:
+        request = Request(call.recv, None)
+        request._complete()
+        return request
+    deadline = None if timeout is None else time.monotonic() + timeout
+    bound = ReproduciblePlan(call, comm_state(call.comm), explicit=True, timeout=timeout,
+                             deadline=deadline, what="iallreduce")
+    request = start(bound, timeout)
+    request._finish = bound.free  # after completion, in the caller's thread
+    return request
+
+
+# -- whole vectors: sum, dot, norm2 ----------------------------------------------------------------
+
+#: fraction bits below a whole vector's largest magnitude (as the float64 elementwise format).
+VECTOR_BITS = 2 * WORD_BITS
+#: words of 42 bits in which each rank's exact local total crosses to the others.
+VECTOR_WORDS = 4
+_NO_EXPONENT = -1200  # the exponent field of an empty or all-zero component: below any value's
+_KINDS = ("sum", "dot", "norm2")
+#: per component: exponent, NaN, +inf, -inf, a value other than -0, any value at all
+_COMPONENT_FIELDS = 6
+
+
+def _component_stats(terms) -> list[int]:
+    """This rank's fields of one component (a list of (float64 array, sign) terms)."""
+    exponent, nan, positive, negative, nonzero_sign, nonempty = _NO_EXPONENT, 0, 0, 0, 0, 0
+    largest = 0.0
+    for values, sign in terms:
+        if values.size == 0:
+            continue
+        nonempty = 1
+        top, bottom = float(values.max()), float(values.min())
+        if math.isnan(top) or math.isnan(bottom):
+            nan = 1
+            continue
+        if top == math.inf:
+            positive, negative = (1, negative) if sign > 0 else (positive, 1)
+        if bottom == -math.inf:
+            positive, negative = (positive, 1) if sign > 0 else (1, negative)
+        largest = max(largest, abs(top), abs(bottom))
+        if top != 0.0 or bottom != 0.0:
+            nonzero_sign = 1
+        else:  # only zeros: a term's contribution is -0 where sign * value is -0
+            signs = np.signbit(values)
+            if not (signs.all() if sign > 0 else not signs.any()):
+                nonzero_sign = 1
+    if largest > 0.0 and math.isfinite(largest):
+        exponent = math.frexp(largest)[1]  # 2**(exponent-1) <= largest < 2**exponent
+    return [exponent, nan, positive, negative, nonzero_sign, nonempty]
+
+
+def _scale_factors(power: int) -> tuple[float, ...]:
+    """Powers of two, each a normal float64, whose product is ``2**power`` (|power| <= 1100)."""
+    if abs(power) <= 1000:
+        return (2.0 ** power,)
+    half = power // 2
+    return (2.0 ** half, 2.0 ** (power - half))
+
+
+def _local_total(terms, unit: int) -> int:
+    """The exact sum of ``sign * trunc(value * 2**-unit)`` over every term, as a Python int.
+
+    Values are at most 2**(unit + 84) in magnitude, so ``value * 2**-unit = hi * 2**42 + lo``
+    with |hi| <= 2**42 and lo in [0, 2**42]: int64 sums of LOCAL_CHUNK of them cannot overflow.
+    """
+    total = 0
+    factors = _scale_factors(-unit)
+    largest = max((values.size for values, _ in terms), default=0)
+    size = min(largest, LOCAL_CHUNK)
+    scaled, work = np.empty(size), np.empty(size)
+    words = np.empty(size, np.int64)
+    for values, sign in terms:
+        for start in range(0, values.size, LOCAL_CHUNK):
+            chunk = values[start:start + LOCAL_CHUNK]
+            count = chunk.size
+            y, w, word = scaled[:count], work[:count], words[:count]
+            np.multiply(chunk, factors[0], out=y)
+            for factor in factors[1:]:
+                np.multiply(y, factor, out=y)
+            np.multiply(y, 2.0 ** -WORD_BITS, out=w)
+            np.floor(w, out=word, casting="unsafe")
+            top = int(np.add.reduce(word))
+            np.multiply(word, -2.0 ** WORD_BITS, out=w)
+            np.add(y, w, out=word, casting="unsafe")
+            part = (top << WORD_BITS) + int(np.add.reduce(word))
+            total += part if sign > 0 else -part
+    return total
+
+
+def _round(total: int, unit: int, fmt: _Format) -> float:
+    """``total * 2**unit`` rounded to nearest (ties to even) in ``fmt``, as a Python float."""
+    if total == 0:
+        return 0.0
+    magnitude = abs(total)
+    kept_unit = max(unit + magnitude.bit_length() - fmt.mantissa, fmt.min_unit)
+    if kept_unit > unit:
+        drop = kept_unit - unit
+        kept = magnitude >> drop
+        rest = magnitude - (kept << drop)
+        half = 1 << (drop - 1)
+        if rest > half or (rest == half and kept & 1):
+            kept += 1
+        magnitude, unit = kept, kept_unit
+    if magnitude.bit_length() + unit > fmt.max_exponent:
+        value = math.inf
+    else:
+        value = math.ldexp(float(magnitude), unit)  # exact: at most fmt.mantissa bits
+    return -value if total < 0 else value
+
+
+def _words(total: int) -> list[int]:
+    """``total`` as VECTOR_WORDS words of 42 bits, the last one signed (sums of p < 2**21 fit)."""
+    mask = (1 << WORD_BITS) - 1
+    words = [(total >> (WORD_BITS * k)) & mask for k in range(VECTOR_WORDS - 1)]
+    return words + [total >> (WORD_BITS * (VECTOR_WORDS - 1))]
+
+
+def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[tuple]:
+    """Agree on the arguments and each component's largest exponent, then sum exactly.
+
+    One ``Allreduce(MAX)`` on the checker (the argument signature with its negation, as
+    :mod:`._agree` does, then each component's fields), one integer SUM of the local totals'
+    words. Returns per component (total, unit, nan, +inf, -inf, any value other than -0, any).
+    """
+    from . import api
+    from ._agree import FIELDS, Signature, bad_signature, disagree
+    from .ops import DTYPES, OP_NAMES
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    state = comm_state(comm)
+    state.refuse_if_broken(what)
+    if error is None:
+        fields = [0] * len(FIELDS)
+        fields[2] = DTYPES.index(np.dtype(dtype))
+        fields[3] = OP_NAMES.index("SUM")
+        fields[4] = ALGORITHMS.index(algorithm)
+        fields[6] = _KINDS.index(what) + 1
+        stats = [_component_stats(terms) for terms in components]
+    else:
+        fields, stats = bad_signature(), []
+    # always two components' fields (real and imaginary), so every rank sends the same count
+    stats += [[_NO_EXPONENT, 0, 0, 0, 0, 0]] * (2 - len(stats))
+    signature = Signature(fields)
+    flat_stats = [value for component in stats for value in component]
+    packed = np.array(list(signature.packed) + flat_stats, np.int64)
+    agreed = np.empty_like(packed)
+    state.checker.Allreduce(packed, agreed, MPI.MAX)
+    width = len(signature.packed)
+    if error is not None or list(agreed[:width]) != list(signature.packed):
+        disagree(state.checker, what, fields, error, ALGORITHMS)
+    agreed_stats = agreed[width:].reshape(-1, _COMPONENT_FIELDS)[:len(components)]
+    units = [max(int(row[0]) - VECTOR_BITS, -1074) for row in agreed_stats]
+    totals = [_local_total(terms, unit) for terms, unit in zip(components, units)]
+    words = np.array([w for total in totals for w in _words(total)], np.int64)
+    api.allreduce(MPI.IN_PLACE, words, comm=comm, algorithm=algorithm, check=False)
+    results = []
+    for index, row in enumerate(agreed_stats):
+        total = 0
+        for k, word in enumerate(words[index * VECTOR_WORDS:(index + 1) * VECTOR_WORDS]):
+            total += int(word) << (WORD_BITS * k)
+        results.append((total, units[index], *(int(v) for v in row[1:])))
+    return results
+
+
+def _value(result: tuple, fmt: _Format) -> float:
+    """The float of one component: specials as IEEE addition gives them, else the rounded total."""
+    total, unit, nan, positive, negative, nonzero_sign, nonempty = result
+    if nan or (positive and negative):
+        return math.nan
+    if positive or negative:
+        return math.inf if positive else -math.inf
+    if total == 0:
+        return -0.0 if nonempty and not nonzero_sign else 0.0
+    return _round(total, unit, fmt)
+
+
+def _vector(array, name: str) -> tuple[np.ndarray | None, Exception | None]:
+    """A 1-D view of a float or complex array, or the error that says why not."""
+    try:
+        values = np.asarray(array)
+        check("SUM", values.dtype)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank after the agreement
+        return None, (exc if isinstance(exc, ValueError)
+                      else TypeError(f"{name}: {exc}"))
+    return values.reshape(-1), None
+
+
+def _parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Real and imaginary parts as float64 (exact), the latter None for real input."""
+    if values.dtype in _REAL:
+        return values.real.astype(np.float64), values.imag.astype(np.float64)
+    return values.astype(np.float64, copy=False), None
+
+
+def _result_type(dtype: np.dtype) -> np.dtype:
+    return np.dtype(_REAL.get(np.dtype(dtype), dtype))
+
+
+def sum(local, comm=None, algorithm: str = "auto"):  # noqa: A001 - the public name
+    """Sum every element of a vector split over the ranks: the same bits for any split.
+
+    Args:
+        local: this rank's part of the global vector (any shape; float32, float64, complex64
+            or complex128; the same dtype on every rank, any length, empty allowed).
+        comm: the communicator (default ``MPI.COMM_WORLD``).
+        algorithm: how the 4 words of each rank's exact total are summed (any gives the same).
+
+    Returns:
+        The sum as a NumPy scalar of the dtype: correctly rounded when every element lies
+        within 31 binades of the largest, else within ``N * 2**(e_max - 84)`` (README,
+        "Reproducible sums").
+
+    Cost: two passes for the largest magnitude, six over the data for the exact local total,
+    an ``Allreduce(MAX)`` of a few int64 and an integer SUM of 32 bytes per component.
+    """
+    values, error = _vector(local, "local")
+    dtype = values.dtype if values is not None else np.dtype(np.float64)
+    components = []
+    if values is not None:
+        real, imag = _parts(values)
+        components = [[(real, 1)]] + ([] if imag is None else [[(imag, 1)]])
+    return _finish("sum", components, dtype, comm, algorithm, error)
+
+
+def dot(x, y, comm=None, algorithm: str = "auto"):
+    """``np.dot`` of two vectors split over the ranks alike: the same bits for any split.
+
+    Each product is rounded once in float64 (exact for float32 and complex64 input), so it
+    does not depend on the split; their sum is exact until the one final rounding (as
+    :func:`sum`). Complex vectors are multiplied without conjugation, as ``np.dot``.
+    """
+    vx, error = _vector(x, "x")
+    vy, error_y = _vector(y, "y")
+    error = error or error_y
+    if error is None and vx.dtype != vy.dtype:
+        error = TypeError(f"x has dtype {vx.dtype} but y has {vy.dtype}; they must match")
+    if error is None and vx.shape != vy.shape:
+        error = ValueError(f"x has {vx.size} local elements but y has {vy.size}; split both "
+                           f"vectors alike")
+    dtype = vx.dtype if error is None else np.dtype(np.float64)
+    components = []
+    if error is None:
+        xr, xi = _parts(vx)
+        yr, yi = _parts(vy)
+        if xi is None:
+            components = [[(xr * yr, 1)]]
+        else:
+            components = [[(xr * yr, 1), (xi * yi, -1)], [(xr * yi, 1), (xi * yr, 1)]]
+    return _finish("dot", components, dtype, comm, algorithm, error)
+
+
+def norm2(x, comm=None, algorithm: str = "auto"):
+    """The Euclidean norm of a vector split over the ranks: the same bits for any split.
+
+    ``sqrt`` of the sum of squares (each rounded once in float64, as :func:`dot`), the sum
+    rounded to float64 first; a real NumPy scalar of the input's precision.
+    """
+    vx, error = _vector(x, "x")
+    dtype = vx.dtype if error is None else np.dtype(np.float64)
+    components = []
+    if error is None:
+        real, imag = _parts(vx)
+        squares = [(real * real, 1)] + ([] if imag is None else [(imag * imag, 1)])
+        components = [squares]
+    return _finish("norm2", components, dtype, comm, algorithm, error)
+
+
+def _finish(what, components, dtype, comm, algorithm, error):
+    if error is None and algorithm not in ALGORITHMS:
+        error = ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                           f"{', '.join(ALGORITHMS)}")
+    results = _exact_totals(what, components, dtype, comm, algorithm, error)
+    real = _result_type(dtype)
+    if what == "norm2":
+        return real.type(math.sqrt(_value(results[0], FORMATS[np.dtype(np.float64)])))
+    fmt = FORMATS[real]
+    values = [_value(result, fmt) for result in results]
+    if len(values) == 1:
+        return real.type(values[0])
+    return np.dtype(dtype).type(complex(values[0], values[1]))
