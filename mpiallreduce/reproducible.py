@@ -157,7 +157,7 @@ class ReproduciblePlan(_PlanBase):
         timeout, deadline = self._start(timeout)
         self._keys()
         self._keys_plan.run(_left(deadline))
-        special, negative = self._units()
+        special, negative, overflow = self._units()
         if special:
             with np.errstate(invalid="ignore", over="ignore"):
                 self._to_words()
@@ -168,7 +168,11 @@ class ReproduciblePlan(_PlanBase):
         if special:
             found = self._words[0][codes]
             self._words[:, codes] = 0
-        self._from_words()
+        if overflow:
+            with np.errstate(over="ignore"):
+                self._from_words()
+        else:
+            self._from_words()
         out = self._out
         if special:
             out[codes] = _decode_specials(found)
@@ -189,18 +193,21 @@ class ReproduciblePlan(_PlanBase):
         np.left_shift(top, 1, out=key)
         np.bitwise_or(key, bit, out=key)
 
-    def _units(self) -> tuple[bool, bool]:
+    def _units(self) -> tuple[bool, bool, bool]:
         """Set ``_shift`` to -u per element from the agreed keys; say whether an element has an
-        inf or NaN contribution and whether one has only negative tiny ones (a -0 candidate)."""
+        inf or NaN contribution, whether one has only negative tiny ones (a -0 candidate) and
+        whether a sum may overflow."""
         fmt, shift, keys = self._fmt, self._shift, self._max
         np.right_shift(keys, fmt.key_shift, out=shift)  # the biased exponent b
-        special = bool(shift.size) and int(shift.max()) == fmt.all_ones
-        negative = bool(shift.size) and int(keys.min()) == 0
+        largest = int(shift.max())
+        special = largest == fmt.all_ones
+        negative = int(keys.min()) == 0
+        overflow = largest - fmt.bias + self._nranks.bit_length() > fmt.max_exponent
         np.maximum(shift, 1, out=shift)
         # |x| < 2**(b - bias), so u = b - bias - bits, and never below the subnormal spacing
         np.subtract(fmt.bias + fmt.bits, shift, out=shift)
         np.minimum(shift, -fmt.min_unit, out=shift)
-        return special, negative
+        return special, negative, overflow
 
     def _to_words(self) -> None:
         """Convert each value to its words: ``x * 2**-u = hi * 2**42 + lo``, lo in [0, 2**42)."""
@@ -519,7 +526,9 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
         disagree(state.checker, what, fields, error, ALGORITHMS)
     agreed_stats = agreed[width:].reshape(-1, _COMPONENT_FIELDS)[:len(components)]
     units = [max(int(row[0]) - VECTOR_BITS, -1074) for row in agreed_stats]
-    totals = [_local_total(terms, unit) for terms, unit in zip(components, units)]
+    # a component with an inf or NaN anywhere is that special value: its total is not needed
+    totals = [0 if row[1:4].any() else _local_total(terms, unit)
+              for terms, unit, row in zip(components, units, agreed_stats)]
     words = np.array([w for total in totals for w in _words(total)], np.int64)
     api.allreduce(MPI.IN_PLACE, words, comm=comm, algorithm=algorithm, check=False)
     results = []
@@ -611,11 +620,16 @@ def dot(x, y, comm=None, algorithm: str = "auto"):
     if error is None:
         xr, xi = _parts(vx)
         yr, yi = _parts(vy)
-        if xi is None:
-            components = [[(xr * yr, 1)]]
-        else:
-            components = [[(xr * yr, 1), (xi * yi, -1)], [(xr * yi, 1), (xi * yr, 1)]]
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
+            components = _products(xr, xi, yr, yi)
     return _finish("dot", components, dtype, comm, algorithm, error)
+
+
+def _products(xr, xi, yr, yi) -> list:
+    """The dot product's components as (products, sign) terms: real, then imaginary."""
+    if xi is None:
+        return [[(xr * yr, 1)]]
+    return [[(xr * yr, 1), (xi * yi, -1)], [(xr * yi, 1), (xi * yr, 1)]]
 
 
 def norm2(x, comm=None, algorithm: str = "auto"):
@@ -629,7 +643,8 @@ def norm2(x, comm=None, algorithm: str = "auto"):
     components = []
     if error is None:
         real, imag = _parts(vx)
-        squares = [(real * real, 1)] + ([] if imag is None else [(imag * imag, 1)])
+        with np.errstate(over="ignore", invalid="ignore"):
+            squares = [(real * real, 1)] + ([] if imag is None else [(imag * imag, 1)])
         components = [squares]
     return _finish("norm2", components, dtype, comm, algorithm, error)
 
