@@ -57,7 +57,7 @@ WORD_BITS = 42
 #: most contributions (ranks) an element may have: each word then stays below 2**62.
 MAX_CONTRIBUTIONS = 1 << 20
 #: values summed with NumPy's int64 sum at once before the partial sum moves to a Python int.
-LOCAL_CHUNK = 1 << 20
+LOCAL_CHUNK = 1 << 14
 
 
 class _Format:
@@ -440,70 +440,99 @@ _KINDS = ("sum", "dot", "norm2")
 _COMPONENT_FIELDS = 6
 
 
-def _component_stats(terms) -> list[int]:
-    """This rank's fields of one component (a list of (float64 array, sign) terms)."""
-    exponent, nan, positive, negative, nonzero_sign, nonempty = _NO_EXPONENT, 0, 0, 0, 0, 0
+class _Term:
+    """One term of a component: ``sign * left`` or ``sign * left * right`` elementwise in
+    float64 (exact for float32 input), made chunk by chunk: no full-size temporary."""
+
+    def __init__(self, left: np.ndarray, right: np.ndarray | None = None, sign: int = 1):
+        self.left, self.right, self.sign, self.size = left, right, sign, left.size
+
+    def chunks(self, buffer: np.ndarray):
+        """Yield the term's values, LOCAL_CHUNK at a time (views where no arithmetic is needed)."""
+        for start in range(0, self.size, LOCAL_CHUNK):
+            left = self.left[start:start + LOCAL_CHUNK]
+            out = buffer[:left.size]
+            if self.right is not None:
+                np.multiply(left, self.right[start:start + LOCAL_CHUNK], out=out, dtype=np.float64)
+            elif left.dtype == np.float64:
+                out = left
+            else:
+                np.copyto(out, left)
+            yield out
+
+
+def _component_stats(terms: list[_Term], buffer: np.ndarray) -> list[int]:
+    """This rank's fields of one component (see _COMPONENT_FIELDS)."""
+    nan, positive, negative, nonzero_sign, nonempty = 0, 0, 0, 0, 0
     largest = 0.0
-    for values, sign in terms:
-        if values.size == 0:
-            continue
-        nonempty = 1
-        top, bottom = float(values.max()), float(values.min())
-        if math.isnan(top) or math.isnan(bottom):
-            nan = 1
-            continue
-        if top == math.inf:
-            positive, negative = (1, negative) if sign > 0 else (positive, 1)
-        if bottom == -math.inf:
-            positive, negative = (positive, 1) if sign > 0 else (1, negative)
-        largest = max(largest, abs(top), abs(bottom))
-        if top != 0.0 or bottom != 0.0:
-            nonzero_sign = 1
-        else:  # only zeros: a term's contribution is -0 where sign * value is -0
-            signs = np.signbit(values)
-            if not (signs.all() if sign > 0 else not signs.any()):
+    for term in terms:
+        for values in term.chunks(buffer):
+            nonempty = 1
+            top, bottom = float(values.max()), float(values.min())
+            if math.isnan(top) or math.isnan(bottom):
+                nan = 1
+                continue
+            if top == math.inf:
+                positive, negative = (1, negative) if term.sign > 0 else (positive, 1)
+            if bottom == -math.inf:
+                positive, negative = (positive, 1) if term.sign > 0 else (1, negative)
+            largest = max(largest, abs(top), abs(bottom))
+            if top != 0.0 or bottom != 0.0:
                 nonzero_sign = 1
+            elif not nonzero_sign:  # only zeros: a contribution is -0 where sign * value is
+                signs = np.signbit(values)
+                if not (signs.all() if term.sign > 0 else not signs.any()):
+                    nonzero_sign = 1
+    exponent = _NO_EXPONENT
     if largest > 0.0 and math.isfinite(largest):
         exponent = math.frexp(largest)[1]  # 2**(exponent-1) <= largest < 2**exponent
     return [exponent, nan, positive, negative, nonzero_sign, nonempty]
 
 
-def _scale_factors(power: int) -> tuple[float, ...]:
-    """Powers of two, each a normal float64, whose product is ``2**power`` (|power| <= 1100)."""
-    if abs(power) <= 1000:
-        return (2.0 ** power,)
-    half = power // 2
-    return (2.0 ** half, 2.0 ** (power - half))
+#: the largest unit for which the rounding constants below stay finite (1.5 * 2**(94 + u)).
+_TOP_UNIT = 928
 
 
-def _local_total(terms, unit: int) -> int:
-    """The exact sum of ``sign * trunc(value * 2**-unit)`` over every term, as a Python int.
+def _local_total(terms: list[_Term], unit: int, buffer: np.ndarray) -> int:
+    """The exact sum of ``sign * round(value * 2**-unit)`` over every term, as a Python int.
 
-    Values are at most 2**(unit + 84) in magnitude, so ``value * 2**-unit = hi * 2**42 + lo``
-    with |hi| <= 2**42 and lo in [0, 2**42]: int64 sums of LOCAL_CHUNK of them cannot overflow.
+    Two roundings by addition (Demmel and Nguyen's extraction): ``hi = value + 1.5 * 2**(94+u)``
+    rounds the value to a multiple of 2**(42+u) and holds that multiple, plus a constant, in its
+    low bits; the remainder, at most 2**(41+u), is rounded to a multiple of 2**u the same way
+    with ``1.5 * 2**(52+u)``. The int64 views of those sums are summed (wrapping, then the
+    constants are taken off modulo 2**64: exact, as LOCAL_CHUNK values sum below 2**62). Six
+    passes over the data, none converting between integers and floats.
     """
     total = 0
-    factors = _scale_factors(-unit)
-    largest = max((values.size for values, _ in terms), default=0)
-    size = min(largest, LOCAL_CHUNK)
-    scaled, work = np.empty(size), np.empty(size)
-    words = np.empty(size, np.int64)
-    for values, sign in terms:
-        for start in range(0, values.size, LOCAL_CHUNK):
-            chunk = values[start:start + LOCAL_CHUNK]
+    scale = 1.0
+    if unit > _TOP_UNIT:  # values near the largest float: scale down first (exact on the grid)
+        scale, unit = 2.0 ** (_TOP_UNIT - unit), _TOP_UNIT
+    high = 1.5 * 2.0 ** (2 * WORD_BITS + 52 - WORD_BITS + unit)  # ulp 2**(42+u)
+    low = 1.5 * 2.0 ** (52 + unit)  # ulp 2**u
+    high_bits = int(np.float64(high).view(np.int64))
+    low_bits = int(np.float64(low).view(np.int64))
+    top, rest = np.empty(buffer.size), np.empty(buffer.size)
+    for term in terms:
+        for chunk in term.chunks(buffer):
             count = chunk.size
-            y, w, word = scaled[:count], work[:count], words[:count]
-            np.multiply(chunk, factors[0], out=y)
-            for factor in factors[1:]:
-                np.multiply(y, factor, out=y)
-            np.multiply(y, 2.0 ** -WORD_BITS, out=w)
-            np.floor(w, out=word, casting="unsafe")
-            top = int(np.add.reduce(word))
-            np.multiply(word, -2.0 ** WORD_BITS, out=w)
-            np.add(y, w, out=word, casting="unsafe")
-            part = (top << WORD_BITS) + int(np.add.reduce(word))
-            total += part if sign > 0 else -part
+            t, r = top[:count], rest[:count]
+            if scale != 1.0:
+                np.multiply(chunk, scale, out=r)
+                chunk = r
+            np.add(chunk, high, out=t)
+            upper = (int(np.add.reduce(t.view(np.int64))) - count * high_bits) % (1 << 64)
+            np.subtract(t, high, out=t)  # the multiple of 2**(42+u), exact
+            np.subtract(chunk, t, out=r)  # the remainder, exact
+            np.add(r, low, out=r)
+            lower = (int(np.add.reduce(r.view(np.int64))) - count * low_bits) % (1 << 64)
+            part = (_signed(upper) << WORD_BITS) + _signed(lower)
+            total += part if term.sign > 0 else -part
     return total
+
+
+def _signed(value: int) -> int:
+    """A 64-bit two's complement value as a Python int."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _round(total: int, unit: int, fmt: _Format) -> float:
@@ -554,7 +583,10 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
         fields[3] = OP_NAMES.index("SUM")
         fields[4] = ALGORITHMS.index(algorithm)
         fields[6] = _KINDS.index(what) + 1
-        stats = [_component_stats(terms) for terms in components]
+        largest = max((term.size for terms in components for term in terms), default=0)
+        buffer = np.empty(min(largest, LOCAL_CHUNK))
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
+            stats = [_component_stats(terms, buffer) for terms in components]
     else:
         fields, stats = bad_signature(), []
     # always two components' fields (real and imaginary), so every rank sends the same count
@@ -570,8 +602,9 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
     agreed_stats = agreed[width:].reshape(-1, _COMPONENT_FIELDS)[:len(components)]
     units = [max(int(row[0]) - VECTOR_BITS, -1074) for row in agreed_stats]
     # a component with an inf or NaN anywhere is that special value: its total is not needed
-    totals = [0 if row[1:4].any() else _local_total(terms, unit)
-              for terms, unit, row in zip(components, units, agreed_stats)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        totals = [0 if row[1:4].any() else _local_total(terms, unit, buffer)
+                  for terms, unit, row in zip(components, units, agreed_stats)]
     words = np.array([w for total in totals for w in _words(total)], np.int64)
     api.allreduce(MPI.IN_PLACE, words, comm=comm, algorithm=algorithm, check=False)
     results = []
@@ -607,10 +640,10 @@ def _vector(array, name: str) -> tuple[np.ndarray | None, Exception | None]:
 
 
 def _parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Real and imaginary parts as float64 (exact), the latter None for real input."""
+    """Views of the real and imaginary parts, the latter None for real input."""
     if values.dtype in _REAL:
-        return values.real.astype(np.float64), values.imag.astype(np.float64)
-    return values.astype(np.float64, copy=False), None
+        return values.real, values.imag
+    return values, None
 
 
 def _result_type(dtype: np.dtype) -> np.dtype:
@@ -631,15 +664,15 @@ def sum(local, comm=None, algorithm: str = "auto"):  # noqa: A001 - the public n
         within 31 binades of the largest, else within ``N * 2**(e_max - 84)`` (README,
         "Reproducible sums").
 
-    Cost: two passes for the largest magnitude, six over the data for the exact local total,
-    an ``Allreduce(MAX)`` of a few int64 and an integer SUM of 32 bytes per component.
+    Cost: two passes for the largest magnitude, six for the exact local total (in chunks that
+    stay in cache), an ``Allreduce(MAX)`` of a few int64 and a SUM of 32 bytes per component.
     """
     values, error = _vector(local, "local")
     dtype = values.dtype if values is not None else np.dtype(np.float64)
     components = []
     if values is not None:
         real, imag = _parts(values)
-        components = [[(real, 1)]] + ([] if imag is None else [[(imag, 1)]])
+        components = [[_Term(real)]] + ([] if imag is None else [[_Term(imag)]])
     return _finish("sum", components, dtype, comm, algorithm, error)
 
 
@@ -663,16 +696,11 @@ def dot(x, y, comm=None, algorithm: str = "auto"):
     if error is None:
         xr, xi = _parts(vx)
         yr, yi = _parts(vy)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
-            components = _products(xr, xi, yr, yi)
+        if xi is None:
+            components = [[_Term(xr, yr)]]
+        else:
+            components = [[_Term(xr, yr), _Term(xi, yi, -1)], [_Term(xr, yi), _Term(xi, yr)]]
     return _finish("dot", components, dtype, comm, algorithm, error)
-
-
-def _products(xr, xi, yr, yi) -> list:
-    """The dot product's components as (products, sign) terms: real, then imaginary."""
-    if xi is None:
-        return [[(xr * yr, 1)]]
-    return [[(xr * yr, 1), (xi * yi, -1)], [(xr * yi, 1), (xi * yr, 1)]]
 
 
 def norm2(x, comm=None, algorithm: str = "auto"):
@@ -686,9 +714,7 @@ def norm2(x, comm=None, algorithm: str = "auto"):
     components = []
     if error is None:
         real, imag = _parts(vx)
-        with np.errstate(over="ignore", invalid="ignore"):
-            squares = [(real * real, 1)] + ([] if imag is None else [(imag * imag, 1)])
-        components = [squares]
+        components = [[_Term(real, real)] + ([] if imag is None else [_Term(imag, imag)])]
     return _finish("norm2", components, dtype, comm, algorithm, error)
 
 
