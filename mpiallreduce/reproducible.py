@@ -100,6 +100,23 @@ def _float_view(array: np.ndarray) -> np.ndarray:
     return values.view(_REAL.get(values.dtype, values.dtype))
 
 
+#: most float elements for which a run looks -u and u up in tables (one call each) rather than
+#: computing them (four): NumPy's cost per call dominates small runs.
+SMALL = 256
+_TABLES: dict = {}
+
+
+def _unit_tables(fmt: _Format, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """-u and u for every key: |x| < 2**(b - bias), so u = b - bias - bits, never below the
+    subnormal spacing (b = 0, zeros and subnormals, counts as 1)."""
+    found = _TABLES.get((fmt.dtype, bits))
+    if found is None:
+        exponents = np.maximum(np.arange(1 << 16, dtype=np.int32) >> fmt.key_shift, 1)
+        up = np.minimum(fmt.bias + bits - exponents, -fmt.min_unit).astype(np.int32)
+        found = _TABLES[fmt.dtype, bits] = (up, -up)
+    return found
+
+
 def word_bits(nranks: int) -> int:
     """Bits per word for sums of ``nranks`` contributions: 42, fewer past 1023 ranks.
 
@@ -143,6 +160,7 @@ class ReproduciblePlan(_PlanBase):
         self._shift = np.empty(size, np.int32)  # -u, then u
         self._scaled = np.empty(size, values.dtype)
         self._words = np.empty((fmt.words, size), np.float64)
+        self._tables = _unit_tables(fmt, self._bits) if size <= SMALL else None
         comm = state.duplicate(deadline, what) if explicit else private
         self._keys_plan = NativePlan(comm, self._key, self._max, reducer(MPI.MAX, np.uint16),
                                      state=state, owned=explicit)
@@ -168,16 +186,17 @@ class ReproduciblePlan(_PlanBase):
 
     def _sum(self, deadline: float | None) -> np.ndarray:
         """The run after the keys' maxima are in ``_max``."""
-        fmt, keys, shift = self._fmt, self._max, self._shift
-        np.right_shift(keys, fmt.key_shift, out=shift)  # the biased exponent b
-        largest = int(shift.max())
+        fmt, keys, shift, tables = self._fmt, self._max, self._shift, self._tables
+        largest = int(keys.max()) >> fmt.key_shift  # the largest biased exponent b
         special = largest == fmt.all_ones
         overflow = largest - fmt.bias + self._nranks.bit_length() > fmt.max_exponent
-        # |x| < 2**(b - bias), so u = b - bias - bits, never below the subnormal spacing (b = 0,
-        # zeros and subnormals, counts as 1)
-        np.maximum(shift, 1, out=shift)
-        np.subtract(fmt.bias + self._bits, shift, out=shift)
-        np.minimum(shift, -fmt.min_unit, out=shift)
+        if tables is not None:
+            np.take(tables[0], keys, out=shift, mode="wrap")
+        else:  # the same as the table, in four cheap passes (a gather of 1M costs more)
+            np.right_shift(keys, fmt.key_shift, out=shift)
+            np.maximum(shift, 1, out=shift)
+            np.subtract(fmt.bias + self._bits, shift, out=shift)
+            np.minimum(shift, -fmt.min_unit, out=shift)
         if special:
             with np.errstate(invalid="ignore", over="ignore"):
                 self._to_words()
@@ -189,7 +208,10 @@ class ReproduciblePlan(_PlanBase):
                 self._inner.run(_left(deadline))
         else:
             self._inner.run(_left(deadline))
-        np.negative(shift, out=shift)
+        if tables is not None:
+            np.take(tables[1], keys, out=shift, mode="wrap")
+        else:
+            np.negative(shift, out=shift)
         if overflow or special:
             with np.errstate(over="ignore", invalid="ignore"):
                 self._from_words()
@@ -353,7 +375,7 @@ class _Entry:
         packed, agreed, width = self.packed, self.agreed, self.width
         np.bitwise_and(plan._top, 0x7FFF, out=packed[width:])
         state.checker.Allreduce(packed, agreed, MPI.MAX)
-        if not np.array_equal(agreed[:width], packed[:width]):
+        if agreed[:width].tobytes() != packed[:width].tobytes():
             disagree(state.checker, "allreduce", self.signatures[0].fields, None, ALGORITHMS)
         np.copyto(plan._max, agreed[width:], casting="unsafe")
         return plan._sum(None)
