@@ -153,6 +153,25 @@ def test_plan_iallreduce_and_in_place_give_the_same_bits(in_place):
                                   reproducible=True)) == bits(want)
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_repeated_small_calls_and_every_path_agree_elementwise(check):
+    """An element's result depends on its own contributions only: the same through the small
+    path (keys inside the argument check, units from tables), the middle one (tables, keys
+    apart) and the large one (units computed), in repeated cached calls with new data."""
+    comm = MPI.COMM_WORLD
+    x = adversarial(comm.rank, 700, "float64", seed=8, span=300)
+    x[:5] = [0.0, -0.0, 5e-324, np.inf if comm.rank == 0 else 1.0, 1e300]
+    whole = mar.allreduce(x, np.empty_like(x), algorithm="native", reproducible=True)
+    for count in (3, 64, 65, 256, 257):
+        out = np.empty(count)
+        part = np.empty(count)
+        for shift in range(3):  # the same arrays, new contents: the cached entry runs
+            np.copyto(part, np.roll(x, shift)[:count])
+            got = mar.allreduce(part, out, algorithm="ring", reproducible=True, check=check)
+            want = np.roll(whole, shift)[:count]
+            assert bits(got) == bits(want), (count, shift)
+
+
 @pytest.mark.parametrize("count", [0, 1, 2, 5, 100_003])
 def test_awkward_counts(count):
     comm = MPI.COMM_WORLD
