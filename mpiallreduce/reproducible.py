@@ -1,37 +1,42 @@
 """Reproducible sums: the same bits whatever the algorithm, the rank order or the number of ranks.
 
-A floating-point sum depends on the order of its additions; an integer sum does not. Every
+A floating-point sum depends on the order of its additions; a sum of integers does not. Every
 value is turned into an exact fixed-point integer in units of ``2**u``, the integers are summed
 (any algorithm, native included, gives the same words), and the total is rounded back to the
 float type once, identically on every rank.
 
 **Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
 chosen per element from the largest exponent among its contributions, agreed with one
-``Allreduce(MAX)`` of 2 bytes per element (the top 16 bits of each value, sign moved to the
-bottom: exponent, 4 (float64) or 7 (float32) leading mantissa bits and a "not negative" flag).
-A float64 element is held in :data:`WORDS` ``= 2`` int64 words of :data:`WORD_BITS` ``= 42``
-bits (84 bits below the largest contribution's binade), a float32 one in 1 word (42 bits); the
-words carry 21 bits of headroom, so up to :data:`MAX_CONTRIBUTIONS` ranks sum without overflow
-(a larger communicator is refused: never a silent wrap). Two words and not three: the words are
-what the algorithm moves, so their bytes are the cost at large sizes (2x the data at 2 words,
-3x at 3; README, "Reproducible sums"). Binned floating-point accumulators (ReproBLAS) need a
-user-defined combine to align bins (a Python callback in every combine) or a fixed bin grid of
-many more words; integer words use the built-in SUM of every algorithm.
+``Allreduce(MAX)`` of 2 bytes per element (the top 16 bits of each value without the sign: the
+exponent and 4 (float64) or 7 (float32) leading mantissa bits). A float64 element is held in 2
+words of :func:`word_bits` ``= 42`` bits (84 bits below the top of the largest contribution's
+binade), a float32 one in 1 word (42 bits). The words are integer-valued float64: a sum of
+``p`` of them stays below 2**52 (the width shrinks past 1023 ranks; at most
+:data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused: never a silent wrap), so
+every partial sum is exact and MPI's float SUM and the schedules' ``np.add`` give the same words
+in any order, with no conversion between integers and floats on either side. Why two words and
+not three: the words are what the algorithm moves, so their bytes are the cost at large sizes
+(2x the data with 2 words, 3x with 3; README, "Reproducible sums"). Why not binned
+floating-point accumulators (ReproBLAS): merging bins of different exponents needs a
+user-defined combine, a Python callback in every step of every algorithm (and not MPI's
+optimised SUM), or a fixed grid of bins over the whole exponent range, ~25 words per value.
 
 **Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): one unit for the whole global
-vector (from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
-arguments), each rank accumulates its values exactly into Python integers (int64 partial sums of
-at most 2**20 values, so they cannot overflow), and the ranks sum 4 words of 42 bits. The result
-depends on the global vector only, never on its split over ranks.
+vector, from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
+arguments; each rank rounds its values to multiples of ``2**u`` and accumulates them exactly
+(int64 partial sums of at most LOCAL_CHUNK values, then Python integers), and the ranks sum 4
+words of 42 bits. The result depends on the global vector only, never on its split over ranks.
 
-Rounding: a value on the unit's grid is converted exactly; below it, it is truncated (error
-under one unit). So an element whose contributions all lie within 84 - 53 = 31 binades (float64;
-42 - 24 = 18 for float32) of its largest comes out correctly rounded (as ``math.fsum``), and
-otherwise within ``count * 2**u`` plus half an ulp, ``u = e_max - 84`` (``e_max - 42``), where
-``2**(e_max-1) <= largest magnitude < 2**e_max``. Special values follow IEEE addition: a NaN
-anywhere gives NaN, +inf with -inf gives NaN, infinities of one sign give that infinity, a true
-sum beyond the largest float gives an infinity of its sign, and -0 only when every
-contribution is -0. NaN results are the canonical quiet NaN (payloads are not kept).
+Accuracy (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, or
+``e_max - 42`` for float32 elementwise): a contribution that is a multiple of ``2**u`` (every
+one of magnitude at least ``2**(e_max-32)``; float32 ``2**(e_max-19)``) is converted exactly,
+and if all are, the result is the correctly rounded sum (as ``math.fsum``). Otherwise each
+contribution is rounded down (elementwise) or to nearest (vectors) to a multiple of ``2**u``:
+the error is below ``count * 2**u`` (vectors ``count * 2**(u-1)``) plus half an ulp of the
+result. Special values follow IEEE addition: a NaN anywhere gives NaN, +inf with -inf gives
+NaN, infinities of one sign give that infinity, a true sum beyond the largest float gives an
+infinity of its sign, and -0 only when every contribution is -0. NaN results are the default
+quiet NaN (payloads are not kept).
 """
 
 from __future__ import annotations
@@ -92,6 +97,15 @@ def check(op_name: str, dtype: np.dtype) -> None:
         f"reproducible=True covers SUM and AVG on float32, float64, complex64 and complex128, "
         f"not {op_name} on {dtype}; MIN, MAX and sums of integers are exact, so every algorithm "
         f"and rank order already gives the same bits: pass reproducible=False")
+
+
+def covers(op, dtype) -> bool:
+    """Does ``reproducible=True`` apply to (op, dtype)? (``mar.Comm`` passes it only then: other
+    ops and integer dtypes are reproducible already.)"""
+    from .ops import AVG
+
+    return (op is AVG or op == MPI.SUM) and (np.dtype(dtype) in FORMATS
+                                             or np.dtype(dtype) in _REAL)
 
 
 def _float_view(array: np.ndarray) -> np.ndarray:
@@ -599,6 +613,9 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
     comm = MPI.COMM_WORLD if comm is None else comm
     state = comm_state(comm)
     state.refuse_if_broken(what)
+    if error is None and comm.Get_size() > MAX_CONTRIBUTIONS:
+        error = ValueError(f"mar.{what} sums at most {MAX_CONTRIBUTIONS} ranks' totals (the "
+                           f"words' headroom); this communicator has {comm.Get_size()} ranks")
     if error is None:
         fields = [0] * len(FIELDS)
         fields[2] = DTYPES.index(np.dtype(dtype))
