@@ -222,6 +222,7 @@ class ReproduciblePlan(_PlanBase):
                 self._inner.run(_left(deadline))
         else:
             self._inner.run(_left(deadline))
+        zeros = self._zero_candidates() if int(keys.min()) == 0 else None
         if tables is not None:
             np.take(tables[1], keys, out=shift, mode="wrap")
         else:
@@ -236,8 +237,8 @@ class ReproduciblePlan(_PlanBase):
             found = out[specials]
             found[np.isnan(found)] = np.nan
             out[specials] = found
-        if int(keys.min()) == 0:
-            self._negative_zeros(deadline)
+        if zeros is not None:
+            self._negative_zeros(*zeros, deadline)
         if self._average:
             np.divide(out, self._nranks, out=out)
         return self.recvbuf
@@ -286,26 +287,31 @@ class ReproduciblePlan(_PlanBase):
         np.add(hi, lo, out=hi)  # the one rounding
         np.ldexp(hi, shift, out=out)  # exact, or inf when the true sum overflows
 
-    def _negative_zeros(self, deadline) -> None:
+    def _zero_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Elements whose contributions are all below 2**-1026 (float32: 2**-133) in magnitude
+        (only their sum can be -0), and whether this rank's is not -0 (read before an in-place
+        result overwrites it)."""
+        candidates = np.flatnonzero(self._max == 0)
+        values = self._values[candidates]
+        return candidates, (~(np.signbit(values) & (values == 0))).astype(np.uint8)
+
+    def _negative_zeros(self, candidates: np.ndarray, plain: np.ndarray, deadline) -> None:
         """Give -0 where the sum is zero and every contribution is -0 (IEEE addition's rule).
 
-        Only elements whose contributions are all below 2**-1026 (float32: 2**-133) in
-        magnitude can be such a sum; where any has a zero result, one more ``Allreduce(MAX)``
-        says whether some contribution there was not -0. Every rank holds the same keys and
-        results, so every rank takes the same branch.
+        Where a candidate's result is zero, one more ``Allreduce(MAX)`` says whether some
+        contribution there was not -0. Every rank holds the same keys and results, so every
+        rank takes the same branch.
         """
         out = self._out
-        zeros = np.flatnonzero(self._max == 0)
-        zeros = zeros[out[zeros] == 0]
-        if zeros.size == 0:
+        zero = out[candidates] == 0
+        if not zero.any():
             return
-        values = self._values[zeros]
-        plain = (~(np.signbit(values) & (values == 0))).astype(np.uint8)
+        plain = np.ascontiguousarray(plain[zero])
         found = np.empty_like(plain)
         with NativePlan(self.comm, plain, found, reducer(MPI.MAX, np.uint8),
                         state=self._state) as check:
             check.run(_left(deadline))
-        out[zeros[found == 0]] = -0.0
+        out[candidates[zero][found == 0]] = -0.0
 
     def free(self) -> None:
         """Release the inner plans (idempotent)."""
