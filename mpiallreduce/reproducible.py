@@ -50,7 +50,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plans
-from ._agree import Signature, agree, disagree, prepare
+from ._agree import Signature, agree, prepare
 from ._checks import ALGORITHMS, allreduce_call
 from ._state import CALLS
 from ._state import state as comm_state
@@ -358,47 +358,27 @@ def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, 
     return agreed.call
 
 
-#: most float elements whose keys ride in the agreement check's ``Allreduce`` (as int64), so a
-#: small repeated call costs two collectives, as the same call without ``reproducible`` does.
-AGREE_KEYS = 64
-
-
 class _Entry:
     """A one-shot reproducible plan kept in the communicator's call cache (``_state.CallCache``),
     with its call's signature packed for the agreement check (see :mod:`._agree`)."""
 
-    __slots__ = ("plan", "objects", "dtype", "in_place", "nbytes", "state", "signatures",
-                 "packed", "agreed", "width")
+    __slots__ = ("plan", "objects", "dtype", "in_place", "nbytes", "state", "signatures")
 
     def __init__(self, plan: ReproduciblePlan, objects: tuple, call, state):
         self.plan, self.objects, self.state = plan, objects, state
         self.dtype, self.in_place = call.recv.dtype, call.send is None
         agreed = _Agreed(call)
         self.signatures = (Signature(agreed.signature(None)), Signature(agreed.signature(1.0)))
-        signature = self.signatures[0].packed
-        self.width = len(signature)
-        keys = plan._key.size if plan._key.size <= AGREE_KEYS else 0
-        self.packed = np.array(list(signature) + [0] * keys, np.int64)
-        self.agreed = np.empty_like(self.packed)
         self.nbytes = plan.nbytes
 
     def run(self, check_args: bool, timeout: float | None) -> np.ndarray:
-        """Agree (when ``check_args``) and run; small calls agree on their keys at once."""
-        plan, state = self.plan, self.state
-        if not check_args:
-            return plan.run(timeout)
-        if timeout is not None or self.packed.size == self.width:
+        """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
+        whose call differs gets the same error as the others) and run."""
+        if check_args:
+            state = self.state
             agree(state.checker, "allreduce", self.signatures[timeout is not None], None,
                   ALGORITHMS, timeout, state.mark_broken)
-            return plan.run(timeout)
-        plan._start(None)
-        packed, agreed, width = self.packed, self.agreed, self.width
-        np.bitwise_and(plan._top, 0x7FFF, out=packed[width:])
-        state.checker.Allreduce(packed, agreed, MPI.MAX)
-        if agreed[:width].tobytes() != packed[:width].tobytes():
-            disagree(state.checker, "allreduce", self.signatures[0].fields, None, ALGORITHMS)
-        np.copyto(plan._max, agreed[width:], casting="unsafe")
-        return plan._sum(None)
+        return self.plan.run(timeout)
 
     def free(self) -> None:
         self.plan.free()
@@ -606,11 +586,13 @@ def _words(total: int) -> list[int]:
 
 
 def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[tuple]:
-    """Agree on the arguments and each component's largest exponent, then sum exactly.
+    """Agree on the arguments, then on each component's largest exponent, then sum exactly.
 
-    One ``Allreduce(MAX)`` on the checker (the argument signature with its negation, as
-    :mod:`._agree` does, then each component's fields), one integer SUM of the local totals'
-    words. Returns per component (total, unit, nan, +inf, -inf, any value other than -0, any).
+    The argument check every call makes (:func:`._agree.agree`: one constant-size
+    ``Allreduce(MAX)``, so a rank whose call differs gets the same error as the others), one
+    ``Allreduce(MAX)`` of 12 int64 (two components' fields) and one integer SUM of the local
+    totals' words. Returns per component (total, unit, nan, +inf, -inf, any value other than
+    -0, any value).
     """
     from . import api
     from ._agree import FIELDS, bad_signature
@@ -622,29 +604,24 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
     if error is None and comm.Get_size() > MAX_CONTRIBUTIONS:
         error = ValueError(f"mar.{what} sums at most {MAX_CONTRIBUTIONS} ranks' totals (the "
                            f"words' headroom); this communicator has {comm.Get_size()} ranks")
+    fields = bad_signature()
     if error is None:
         fields = [0] * len(FIELDS)
         fields[2] = DTYPES.index(np.dtype(dtype))
         fields[3] = OP_NAMES.index("SUM")
         fields[4] = ALGORITHMS.index(algorithm)
         fields[6] = _KINDS.index(what) + 1
-        largest = max((term.size for terms in components for term in terms), default=0)
-        buffer = np.empty(min(largest, LOCAL_CHUNK))
-        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
-            stats = [_component_stats(terms, buffer) for terms in components]
-    else:
-        fields, stats = bad_signature(), []
+    agree(state.checker, what, Signature(fields), error, ALGORITHMS)
+    largest = max((term.size for terms in components for term in terms), default=0)
+    buffer = np.empty(min(largest, LOCAL_CHUNK))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
+        stats = [_component_stats(terms, buffer) for terms in components]
     # always two components' fields (real and imaginary), so every rank sends the same count
     stats += [[_NO_EXPONENT, 0, 0, 0, 0, 0]] * (2 - len(stats))
-    signature = Signature(fields)
-    flat_stats = [value for component in stats for value in component]
-    packed = np.array(list(signature.packed) + flat_stats, np.int64)
+    packed = np.array([value for component in stats for value in component], np.int64)
     agreed = np.empty_like(packed)
     state.checker.Allreduce(packed, agreed, MPI.MAX)
-    width = len(signature.packed)
-    if error is not None or list(agreed[:width]) != list(signature.packed):
-        disagree(state.checker, what, fields, error, ALGORITHMS)
-    agreed_stats = agreed[width:].reshape(-1, _COMPONENT_FIELDS)[:len(components)]
+    agreed_stats = agreed.reshape(-1, _COMPONENT_FIELDS)[:len(components)]
     units = [max(int(row[0]) - VECTOR_BITS, -1074) for row in agreed_stats]
     # a component with an inf or NaN anywhere is that special value: its total is not needed
     with np.errstate(over="ignore", invalid="ignore"):

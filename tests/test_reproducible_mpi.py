@@ -268,6 +268,19 @@ def test_ranks_disagreeing_on_reproducible_raise_everywhere():
     with pytest.raises(ValueError, match="differ"):
         mar.allreduce(x, np.empty_like(x), reproducible=comm.rank == 0)
     assert mar.allreduce(x, None, reproducible=True)[0] == comm.size
+    # a cached call on some ranks, fresh arrays on others: one check of one size, same result
+    out = np.empty_like(x)
+    for _ in range(3):
+        fresh = comm.rank % 2 == 1
+        got = mar.allreduce(x.copy() if fresh else x, np.empty_like(x) if fresh else out,
+                            reproducible=True)
+        assert got[0] == comm.size
+    with pytest.raises(ValueError, match="differ"):
+        if comm.rank == 0:
+            mar.sum(x, comm=comm)
+        else:
+            mar.dot(x, x, comm=comm)
+    assert float(mar.sum(x, comm=comm)) == 3 * comm.size
 
 
 # -- mar.sum, mar.dot, mar.norm2: the same bits for any split ----------------------------------------
