@@ -120,14 +120,14 @@ SMALL = 256
 _TABLES: dict = {}
 
 
-def _unit_tables(fmt: _Format, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """-u and u for every key: |x| < 2**(b - bias), so u = b - bias - bits, never below the
-    subnormal spacing (b = 0, zeros and subnormals, counts as 1)."""
-    found = _TABLES.get((fmt.dtype, bits))
+def _unit_tables(fmt: _Format, bits: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """``-u - offset`` and ``u`` for every key: |x| < 2**(b - bias), so u = b - bias - bits,
+    never below the subnormal spacing (b = 0, zeros and subnormals, counts as 1)."""
+    found = _TABLES.get((fmt.dtype, bits, offset))
     if found is None:
         exponents = np.maximum(np.arange(1 << 16, dtype=np.int32) >> fmt.key_shift, 1)
         up = np.minimum(fmt.bias + bits - exponents, -fmt.min_unit).astype(np.int32)
-        found = _TABLES[fmt.dtype, bits] = (up, -up)
+        found = _TABLES[fmt.dtype, bits, offset] = (up - offset, -up)
     return found
 
 
@@ -172,9 +172,11 @@ class ReproduciblePlan(_PlanBase):
         self._key = np.empty(size, np.uint16)
         self._max = np.empty(size, np.uint16)
         self._shift = np.empty(size, np.int32)  # -u, then u
-        self._scaled = np.empty(size, values.dtype)
+        self._scaled = np.empty(size if fmt.words == 1 else 0, values.dtype)
         self._words = np.empty((fmt.words, size), np.float64)
-        self._tables = _unit_tables(fmt, self._bits) if size <= SMALL else None
+        # float64: values are scaled straight to the high word's units, 2**(u + word_bits)
+        self._offset = self._word_bits if fmt.words > 1 else 0
+        self._tables = _unit_tables(fmt, self._bits, self._offset) if size <= SMALL else None
         comm = state.duplicate(deadline, what) if explicit else private
         self._keys_plan = NativePlan(comm, self._key, self._max, reducer(MPI.MAX, np.uint16),
                                      state=state, owned=explicit)
@@ -209,8 +211,8 @@ class ReproduciblePlan(_PlanBase):
         else:  # the same as the table, in four cheap passes (a gather of 1M costs more)
             np.right_shift(keys, fmt.key_shift, out=shift)
             np.maximum(shift, 1, out=shift)
-            np.subtract(fmt.bias + self._bits, shift, out=shift)
-            np.minimum(shift, -fmt.min_unit, out=shift)
+            np.subtract(fmt.bias + self._bits - self._offset, shift, out=shift)
+            np.minimum(shift, -fmt.min_unit - self._offset, out=shift)
         if special:
             with np.errstate(invalid="ignore", over="ignore"):
                 self._to_words()
@@ -226,7 +228,7 @@ class ReproduciblePlan(_PlanBase):
         if tables is not None:
             np.take(tables[1], keys, out=shift, mode="wrap")
         else:
-            np.negative(shift, out=shift)
+            np.subtract(-self._offset, shift, out=shift)
         if overflow or special:
             with np.errstate(over="ignore", invalid="ignore"):
                 self._from_words()
@@ -245,14 +247,15 @@ class ReproduciblePlan(_PlanBase):
 
     def _to_words(self) -> None:
         """Convert each value to its words: ``floor(x * 2**-u) = hi * 2**bits + lo``,
-        lo in [0, 2**bits); a value on the grid of 2**u exactly, any other rounded down."""
-        scaled, words = self._scaled, self._words
-        np.ldexp(self._values, self._shift, out=scaled)
+        lo in [0, 2**bits); a value on the grid of 2**u exactly, any other rounded down (one
+        whose scaled value underflows, toward zero: within a unit all the same)."""
+        words = self._words
         if self._fmt.words == 1:
-            np.floor(scaled, out=words[0])
+            np.ldexp(self._values, self._shift, out=self._scaled)
+            np.floor(self._scaled, out=words[0])
             return
         hi, lo = words
-        np.multiply(scaled, 2.0 ** -self._word_bits, out=lo)
+        np.ldexp(self._values, self._shift, out=lo)  # x * 2**-(u + bits)
         np.floor(lo, out=hi)
         np.subtract(lo, hi, out=lo)  # exact
         np.multiply(lo, 2.0 ** self._word_bits, out=lo)
