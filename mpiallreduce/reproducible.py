@@ -171,7 +171,7 @@ class ReproduciblePlan(_PlanBase):
         self._top = values.view(np.uint16)[fmt.top::values.itemsize // 2]
         self._key = np.empty(size, np.uint16)
         self._max = np.empty(size, np.uint16)
-        self._shift = np.empty(size, np.int32)  # -u, then u
+        self._shift = np.empty(size, np.int32)  # -u - offset, then u
         self._scaled = np.empty(size if fmt.words == 1 else 0, values.dtype)
         self._words = np.empty((fmt.words, size), np.float64)
         # float64: values are scaled straight to the high word's units, 2**(u + word_bits)
