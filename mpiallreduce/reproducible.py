@@ -207,7 +207,7 @@ class ReproduciblePlan(_PlanBase):
         special = largest == fmt.all_ones
         overflow = largest - fmt.bias + self._nranks.bit_length() > fmt.max_exponent
         if tables is not None:
-            np.take(tables[0], keys, out=shift, mode="wrap")
+            tables[0].take(keys, out=shift, mode="wrap")
         else:  # the same as the table, in four cheap passes (a gather of 1M costs more)
             np.right_shift(keys, fmt.key_shift, out=shift)
             np.maximum(shift, 1, out=shift)
@@ -226,7 +226,7 @@ class ReproduciblePlan(_PlanBase):
             self._inner.run(_left(deadline))
         zeros = self._zero_candidates() if int(keys.min()) == 0 else None
         if tables is not None:
-            np.take(tables[1], keys, out=shift, mode="wrap")
+            tables[1].take(keys, out=shift, mode="wrap")
         else:
             np.subtract(-self._offset, shift, out=shift)
         if overflow or special:
