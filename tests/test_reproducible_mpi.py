@@ -147,10 +147,13 @@ def test_plan_iallreduce_and_in_place_give_the_same_bits(in_place):
     np.copyto(buf, x)
     request = mar.iallreduce(sendbuf, out, algorithm="recursive_doubling", reproducible=True)
     assert bits(request.wait()) == bits(want)
-    for _ in range(3):  # the cached one-shot plan, data changed in between
+    for timeout in (None, None, 30.0, None):  # the cached one-shot plan, data changed between
         np.copyto(buf, x)
-        assert bits(mar.allreduce(sendbuf, out, algorithm="rabenseifner",
-                                  reproducible=True)) == bits(want)
+        assert bits(mar.allreduce(sendbuf, out, algorithm="rabenseifner", reproducible=True,
+                                  timeout=timeout)) == bits(want)
+    with mar.plan(sendbuf, out, algorithm="tree", reproducible=True, timeout=30.0) as plan:
+        np.copyto(buf, x)
+        assert bits(plan.run()) == bits(want)
 
 
 @pytest.mark.parametrize("check", [True, False])
