@@ -29,8 +29,8 @@ words of 42 bits. The result depends on the global vector only, never on its spl
 
 Accuracy (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, or
 ``e_max - 42`` for float32 elementwise): a contribution that is a multiple of ``2**u`` (every
-one of magnitude at least ``2**(e_max-32)``; float32 ``2**(e_max-19)``) is converted exactly,
-and if all are, the result is the correctly rounded sum (as ``math.fsum``). Otherwise each
+one of magnitude at least ``2**(e_max-32)``; float32 elementwise ``2**(e_max-19)``) is
+converted exactly, and if all are, the result is the correctly rounded sum (``math.fsum``). Otherwise each
 contribution is rounded down (elementwise) or to nearest (vectors) to a multiple of ``2**u``:
 the error is below ``count * 2**u`` (vectors ``count * 2**(u-1)``) plus half an ulp of the
 result. Special values follow IEEE addition: a NaN anywhere gives NaN, +inf with -inf gives
