@@ -9,6 +9,7 @@ from .executor import Plan
 from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
 from .ops import AVG
+from .reproducible import ReproduciblePlan, dot, norm2, sum
 from .topology import Topology
 from .tracing import trace
 
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
            "Plan", "Request", "ScheduleError", "ShardedSGD", "TopK", "Topology", "__version__",
-           "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "iallreduce", "plan",
-           "reduce_scatter", "start", "trace"]
+           "ReproduciblePlan", "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "dot",
+           "iallreduce", "norm2", "plan", "reduce_scatter", "start", "sum", "trace"]

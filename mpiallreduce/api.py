@@ -14,12 +14,14 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plans
+from . import reproducible as _reproducible
 from ._agree import prepare
 from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
 from ._state import CALLS, LAST, SHAPES
 from ._state import state as comm_state
 from .collectives import allgather, alltoall, bcast, reduce_scatter
-from .nonblocking import iallreduce, start
+from .nonblocking import iallreduce as _iallreduce
+from .nonblocking import start
 
 __all__ = ["ALGORITHMS", "COLLECTIVE_ALGORITHMS", "allgather", "allreduce", "alltoall", "bcast",
            "iallreduce", "plan", "reduce_scatter", "start"]
@@ -28,7 +30,7 @@ _WORLD = MPI.COMM_WORLD
 
 
 def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
-              check=True, timeout=None, **params):
+              check=True, timeout=None, reproducible=False, **params):
     """Combine ``sendbuf`` from every rank with ``op`` and return the result on every rank.
 
     A drop-in for ``comm.Allreduce(sendbuf, recvbuf, op)`` that runs one of mpiallreduce's
@@ -59,12 +61,18 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever), covering the
             first call's set-up too; give it on every rank or none. After a timeout,
             mpiallreduce refuses further calls and plans on ``comm``.
+        reproducible: the same result bits for every algorithm, topology and rank order
+            (SUM and AVG on float and complex dtypes; :mod:`.reproducible`, docs/usage.md
+            "Reproducible sums"). Pass the same value on every rank.
         params: parameters of the named algorithm's schedule, e.g. ``segment_bytes=`` for
             ``ring_segmented``; a parameter the algorithm does not take is a TypeError.
 
     Returns:
         The result array (``recvbuf`` when given).
     """
+    if reproducible:
+        return _reproducible.allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                                       timeout, params)
     if comm is None:
         comm = _WORLD
     if timeout is not None and type(timeout) not in (int, float):
@@ -131,7 +139,7 @@ def _plain(timeout):
 
 
 def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
-         check=True, timeout=None, **params):
+         check=True, timeout=None, reproducible=False, **params):
     """Bind an allreduce to its buffers once; ``run()`` repeats it with no allocation.
 
     Arguments as :func:`allreduce`. Creating a plan is collective, and plans on one
@@ -141,9 +149,22 @@ def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topolog
     ``run()`` trusts the buffers' contents and shapes thereafter. Use as a context manager or
     call ``free()``.
     """
+    if reproducible:
+        return _reproducible.plan(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
+                                  params)
     call = prepare("plan", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
     return _plans.build(call, state, explicit=True, persistent=True, timeout=timeout,
                         deadline=deadline, what="plan")
+
+
+def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
+               check=True, timeout=None, reproducible=False, **params):
+    """Start an allreduce and return a :class:`Request` (see :func:`.nonblocking.iallreduce`);
+    ``reproducible=True`` as in :func:`allreduce`."""
+    if reproducible:
+        return _reproducible.iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                                        timeout, params)
+    return _iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, **params)

@@ -421,10 +421,15 @@ def start(plan, timeout: float | None = None) -> Request:
     """Start a persistent plan (from :func:`mpiallreduce.plan`) without waiting for it.
 
     A native plan starts MPI's persistent request (``Allreduce_init``, made on the first start);
-    a schedule posts its first step and progresses as the module docstring says. ``wait()``
+    a schedule posts its first step and progresses as the module docstring says; a plan made of
+    other plans (``reproducible=True``) runs whole at the start. ``wait()``
     returns the plan's result buffer. Until the request completes, ``run()``, ``start()`` and
     ``free()`` on the plan raise ValueError. Start plans in the same order on every rank.
     """
+    if not hasattr(plan, "steps") and not isinstance(plan, NativePlan):
+        # a plan made of other plans (reproducible sums): it runs whole now, in call order as
+        # a blocking call would, and its request is complete (no overlap; the same result)
+        return Request(plan.run(timeout))
     timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
     plan._take_off(True)
     if isinstance(plan, NativePlan):

@@ -64,3 +64,21 @@ def test_mpi4py_program_gives_the_plain_answer_through_mar_comm(algorithm):
     assert pi == plain_pi and np.array_equal(per_rank, plain_per_rank)
     assert squared == pytest.approx(plain_squared, rel=1e-12)
     assert abs(module.main() - np.pi) < 0.05
+
+
+@pytest.mark.mpi
+def test_conjugate_gradient_reproducible_history_is_the_one_rank_history(capsys):
+    """--reproducible: r.r at every iteration has the bits of a single-rank solve, at any -n."""
+    module = load("conjugate_gradient")
+    world = MPI.COMM_WORLD
+    history, alone = [], []
+    module.solve(world, 16, history=history, reproducible=True)
+    module.solve(MPI.COMM_SELF, 16, history=alone, reproducible=True)
+    assert len(history) > 10
+    assert [v.hex() for v in history] == [v.hex() for v in alone]
+    assert module.main(["--grid", "16", "--repeat", "1", "--reproducible"]) == 0
+    if world.rank == 0:
+        out = capsys.readouterr().out
+        printed = [line.split()[1] for line in out.splitlines() if line.startswith("  ")]
+        assert printed == [v.hex() for v in alone]
+        assert "time per iteration with mar.dot" in out

@@ -1,0 +1,757 @@
+"""Reproducible sums: the same bits whatever the algorithm, the rank order or the number of ranks.
+
+A floating-point sum depends on the order of its additions; a sum of integers does not. Every
+value is turned into an exact fixed-point integer in units of ``2**u``, the integers are summed
+(any algorithm, native included, gives the same words), and the total is rounded back to the
+float type once, identically on every rank.
+
+**Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
+chosen per element from the largest exponent among its contributions, agreed with one
+``Allreduce(MAX)`` of 2 bytes per element (the top 16 bits of each value without the sign: the
+exponent and 4 (float64) or 7 (float32) leading mantissa bits). A float64 element is held in 2
+words of :func:`word_bits` ``= 42`` bits (84 bits below the top of the largest contribution's
+binade), a float32 one in 1 word (42 bits). The words are integer-valued float64: a sum of
+``p`` of them stays below 2**52 (the width shrinks past 1023 ranks; at most
+:data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused: never a silent wrap), so
+every partial sum is exact and MPI's float SUM and the schedules' ``np.add`` give the same words
+in any order, with no conversion between integers and floats on either side. Why two words and
+not three: the words are what the algorithm moves, so their bytes are the cost at large sizes
+(2x the data with 2 words, 3x with 3; docs/usage.md, "Reproducible sums"). Why not binned
+floating-point accumulators (ReproBLAS): merging bins of different exponents needs a
+user-defined combine, a Python callback in every step of every algorithm (and not MPI's
+optimised SUM), or a fixed grid of bins over the whole exponent range, ~25 words per value.
+
+**Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): one unit for the whole global
+vector, from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
+arguments; each rank rounds its values to multiples of ``2**u`` and accumulates them exactly
+(int64 partial sums of at most LOCAL_CHUNK values, then Python integers), and the ranks sum 4
+words of 42 bits. The result depends on the global vector only, never on its split over ranks.
+
+Accuracy (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, or
+``e_max - 42`` for float32 elementwise): a contribution that is a multiple of ``2**u`` (every
+one of magnitude at least ``2**(e_max-32)``; float32 elementwise ``2**(e_max-19)``) is
+converted exactly, and if all are, the result is the correctly rounded sum (``math.fsum``). Otherwise each
+contribution is rounded down (elementwise) or to nearest (vectors) to a multiple of ``2**u``:
+the error is below ``count * 2**u`` (vectors ``count * 2**(u-1)``) plus half an ulp of the
+result. Special values follow IEEE addition: a NaN anywhere gives NaN, +inf with -inf gives
+NaN, infinities of one sign give that infinity, a true sum beyond the largest float gives an
+infinity of its sign, and -0 only when every contribution is -0. NaN results are the default
+quiet NaN (payloads are not kept).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _plans
+from ._agree import Signature, agree, prepare
+from ._checks import ALGORITHMS, allreduce_call
+from ._state import CALLS
+from ._state import state as comm_state
+from .executor import NativePlan, _PlanBase, flat
+from .ops import reducer
+
+#: bits of each fixed-point word below its 21 bits of carry headroom.
+WORD_BITS = 42
+#: most contributions (ranks) an element may have: each word then stays below 2**62.
+MAX_CONTRIBUTIONS = 1 << 20
+#: values summed with NumPy's int64 sum at once before the partial sum moves to a Python int.
+LOCAL_CHUNK = 1 << 14
+
+
+class _Format:
+    """How one float type is held: words per value and the layout of its top 16 bits."""
+
+    def __init__(self, dtype, words: int, mantissa: int, exponent_bits: int, min_unit: int):
+        self.dtype = np.dtype(dtype)
+        self.words = words
+        self.mantissa = mantissa  # significant bits, the hidden one included
+        self.all_ones = (1 << exponent_bits) - 1  # biased exponent of inf and NaN
+        self.bias = (1 << (exponent_bits - 1)) - 2  # |x| < 2**(b - bias) for biased exponent b
+        self.min_unit = min_unit  # the subnormal spacing: every value is a multiple of it
+        self.max_exponent = 1 << (exponent_bits - 1)  # 2**max_exponent overflows
+        # key = the top 16 bits without the sign: the exponent field, then leading mantissa bits
+        self.key_shift = 15 - exponent_bits
+        self.top = self.dtype.itemsize // 2 - 1 if sys.byteorder == "little" else 0
+
+
+FORMATS = {np.dtype(np.float64): _Format(np.float64, 2, 53, 11, -1074),
+           np.dtype(np.float32): _Format(np.float32, 1, 24, 8, -149)}
+_WORLD = MPI.COMM_WORLD
+_REAL = {np.dtype(np.complex128): np.dtype(np.float64),
+         np.dtype(np.complex64): np.dtype(np.float32)}
+
+
+def check(op_name: str, dtype: np.dtype) -> None:
+    """Raise ValueError unless ``reproducible=True`` covers (op, dtype)."""
+    dtype = np.dtype(dtype)
+    if op_name in ("SUM", "AVG") and (dtype in FORMATS or dtype in _REAL):
+        return
+    raise ValueError(
+        f"reproducible=True covers SUM and AVG on float32, float64, complex64 and complex128, "
+        f"not {op_name} on {dtype}; MIN, MAX and sums of integers are exact, so every algorithm "
+        f"and rank order already gives the same bits: pass reproducible=False")
+
+
+def covers(op, dtype) -> bool:
+    """Does ``reproducible=True`` apply to (op, dtype)? (``mar.Comm`` passes it only then: other
+    ops and integer dtypes are reproducible already.)"""
+    from .ops import AVG
+
+    return (op is AVG or op == MPI.SUM) and (np.dtype(dtype) in FORMATS
+                                             or np.dtype(dtype) in _REAL)
+
+
+def _float_view(array: np.ndarray) -> np.ndarray:
+    """The flat float view of a float or complex array (real and imaginary parts interleaved)."""
+    values = flat(array)
+    return values.view(_REAL.get(values.dtype, values.dtype))
+
+
+#: most float elements for which a run looks -u and u up in tables (one call each) rather than
+#: computing them (four): NumPy's cost per call dominates small runs.
+SMALL = 256
+_TABLES: dict = {}
+
+
+def _unit_tables(fmt: _Format, bits: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """``-u - offset`` and ``u`` for every key: |x| < 2**(b - bias), so u = b - bias - bits,
+    never below the subnormal spacing (b = 0, zeros and subnormals, counts as 1)."""
+    found = _TABLES.get((fmt.dtype, bits, offset))
+    if found is None:
+        exponents = np.maximum(np.arange(1 << 16, dtype=np.int32) >> fmt.key_shift, 1)
+        up = np.minimum(fmt.bias + bits - exponents, -fmt.min_unit).astype(np.int32)
+        found = _TABLES[fmt.dtype, bits, offset] = (up - offset, -up)
+    return found
+
+
+def word_bits(nranks: int) -> int:
+    """Bits per word for sums of ``nranks`` contributions: 42, fewer past 1023 ranks.
+
+    A word is an integer-valued float64 below ``2**bits``; a sum of ``nranks`` of them stays
+    below ``2**52``, so every partial sum is exact and every order gives the same words.
+    """
+    return min(WORD_BITS, 52 - nranks.bit_length())
+
+
+class ReproduciblePlan(_PlanBase):
+    """An elementwise SUM/AVG whose result bits do not depend on the algorithm or rank order.
+
+    A run: the top 16 bits of each value without the sign (the key), an ``Allreduce(MAX)`` of
+    the keys, each value converted to words in units of ``2**u`` from its element's key
+    (:meth:`_to_words`), the words summed by ``inner`` (the plan of the requested algorithm,
+    float64 SUM of integers below 2**52: exact), the words rounded back (:meth:`_from_words`).
+    Every buffer is allocated here; a run allocates only for elements with an inf or NaN
+    contribution or an all-tiny zero sum.
+    """
+
+    def __init__(self, call, state, *, explicit: bool, timeout: float | None,
+                 deadline: float | None, what: str):
+        private = state.private
+        nranks = private.Get_size()
+        if nranks > MAX_CONTRIBUTIONS:
+            raise ValueError(f"reproducible=True sums at most {MAX_CONTRIBUTIONS} contributions "
+                             f"per element (the words' headroom); this communicator has "
+                             f"{nranks} ranks")
+        values = _float_view(call.recv if call.send is None else call.send)
+        fmt = FORMATS[values.dtype]
+        size = values.size
+        self.algorithm = call.algorithm
+        self._fmt = fmt
+        self._word_bits = word_bits(nranks)
+        self._bits = fmt.words * self._word_bits  # fraction bits below an element's top binade
+        self._values = values
+        self._out = _float_view(call.recv)
+        self._top = values.view(np.uint16)[fmt.top::values.itemsize // 2]
+        self._key = np.empty(size, np.uint16)
+        self._max = np.empty(size, np.uint16)
+        self._shift = np.empty(size, np.int32)  # -u - offset, then u
+        self._scaled = np.empty(size if fmt.words == 1 else 0, values.dtype)
+        self._words = np.empty((fmt.words, size), np.float64)
+        # float64: values are scaled straight to the high word's units, 2**(u + word_bits)
+        self._offset = self._word_bits if fmt.words > 1 else 0
+        self._tables = _unit_tables(fmt, self._bits, self._offset) if size <= SMALL else None
+        comm = state.duplicate(deadline, what) if explicit else private
+        self._keys_plan = NativePlan(comm, self._key, self._max, reducer(MPI.MAX, np.uint16),
+                                     state=state, owned=explicit)
+        words = replace(call, send=None, recv=self._words.reshape(-1),
+                        reducer=reducer(MPI.SUM, np.float64))
+        self._inner = _plans.build(words, state, explicit=explicit, persistent=True,
+                                   timeout=None, deadline=deadline, what=what)
+        super().__init__(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self._key, self._max, self._shift, self._scaled, self._words)
+        return self._inner.nbytes + int(np.add.reduce([a.nbytes for a in arrays]))
+
+    def run(self, timeout: float | None = None) -> np.ndarray:
+        """Sum every rank's values into the result, reproducibly; return the result buffer."""
+        timeout, deadline = self._start(timeout)
+        np.bitwise_and(self._top, 0x7FFF, out=self._key)
+        self._keys_plan.run(_left(deadline))
+        return self._sum(deadline)
+
+    __call__ = run
+
+    def _sum(self, deadline: float | None) -> np.ndarray:
+        """The run after the keys' maxima are in ``_max``."""
+        fmt, keys, shift, tables = self._fmt, self._max, self._shift, self._tables
+        largest = int(keys.max()) >> fmt.key_shift  # the largest biased exponent b
+        special = largest == fmt.all_ones
+        overflow = largest - fmt.bias + self._nranks.bit_length() > fmt.max_exponent
+        if tables is not None:
+            tables[0].take(keys, out=shift, mode="wrap")
+        else:  # the same as the table, in four cheap passes (a gather of 1M costs more)
+            np.right_shift(keys, fmt.key_shift, out=shift)
+            np.maximum(shift, 1, out=shift)
+            np.subtract(fmt.bias + self._bits - self._offset, shift, out=shift)
+            np.minimum(shift, -fmt.min_unit - self._offset, out=shift)
+        if special:
+            with np.errstate(invalid="ignore", over="ignore"):
+                self._to_words()
+            specials = self._specials()
+        else:
+            self._to_words()
+        if special:  # inf - inf in a schedule's combines: NaN, as IEEE says, quietly
+            with np.errstate(invalid="ignore"):
+                self._inner.run(_left(deadline))
+        else:
+            self._inner.run(_left(deadline))
+        zeros = self._zero_candidates() if int(keys.min()) == 0 else None
+        if tables is not None:
+            tables[1].take(keys, out=shift, mode="wrap")
+        else:
+            np.subtract(-self._offset, shift, out=shift)
+        if overflow or special:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self._from_words()
+        else:
+            self._from_words()
+        out = self._out
+        if special:  # one NaN for every NaN (x86's inf - inf is another)
+            found = out[specials]
+            found[np.isnan(found)] = np.nan
+            out[specials] = found
+        if zeros is not None:
+            self._negative_zeros(*zeros, deadline)
+        if self._average:
+            np.divide(out, self._nranks, out=out)
+        return self.recvbuf
+
+    def _to_words(self) -> None:
+        """Convert each value to its words: ``floor(x * 2**-u) = hi * 2**bits + lo``,
+        lo in [0, 2**bits); a value on the grid of 2**u exactly, any other rounded down (one
+        whose scaled value underflows, toward zero: within a unit all the same)."""
+        words = self._words
+        if self._fmt.words == 1:
+            np.ldexp(self._values, self._shift, out=self._scaled)
+            np.floor(self._scaled, out=words[0])
+            return
+        hi, lo = words
+        np.ldexp(self._values, self._shift, out=lo)  # x * 2**-(u + bits)
+        np.floor(lo, out=hi)
+        np.subtract(lo, hi, out=lo)  # exact
+        np.multiply(lo, 2.0 ** self._word_bits, out=lo)
+        np.floor(lo, out=lo)
+
+    def _specials(self) -> np.ndarray:
+        """Words of elements with an inf or NaN contribution: the inf or NaN itself, else 0.
+
+        Float64 SUM then gives what IEEE addition gives in any order: NaN with any NaN or with
+        both infinities, else the infinity present.
+        """
+        fmt = self._fmt
+        specials = np.flatnonzero((self._max >> fmt.key_shift) == fmt.all_ones)
+        values = self._values[specials].astype(np.float64)
+        values[np.isfinite(values)] = 0.0
+        values[np.isnan(values)] = np.nan  # one payload
+        self._words[:, specials] = 0.0
+        self._words[0][specials] = values
+        return specials
+
+    def _from_words(self) -> None:
+        """Round ``(hi * 2**bits + lo) * 2**u`` to the float type, once."""
+        shift, out, words = self._shift, self._out, self._words
+        if self._fmt.words == 1:
+            # float64 -> float32 is one correctly rounded conversion; scaling by 2**u is exact
+            # (a subnormal result is a small multiple of 2**u >= 2**-149, so representable)
+            np.copyto(self._scaled, words[0], casting="same_kind")
+            np.ldexp(self._scaled, shift, out=out)
+            return
+        hi, lo = words
+        np.multiply(hi, 2.0 ** self._word_bits, out=hi)  # exact: |hi| < 2**52
+        np.add(hi, lo, out=hi)  # the one rounding
+        np.ldexp(hi, shift, out=out)  # exact, or inf when the true sum overflows
+
+    def _zero_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Elements whose contributions are all below 2**-1026 (float32: 2**-133) in magnitude
+        (only their sum can be -0), and whether this rank's is not -0 (read before an in-place
+        result overwrites it)."""
+        candidates = np.flatnonzero(self._max == 0)
+        values = self._values[candidates]
+        return candidates, (~(np.signbit(values) & (values == 0))).astype(np.uint8)
+
+    def _negative_zeros(self, candidates: np.ndarray, plain: np.ndarray, deadline) -> None:
+        """Give -0 where the sum is zero and every contribution is -0 (IEEE addition's rule).
+
+        Where a candidate's result is zero, one more ``Allreduce(MAX)`` says whether some
+        contribution there was not -0. Every rank holds the same keys and results, so every
+        rank takes the same branch.
+        """
+        out = self._out
+        zero = out[candidates] == 0
+        if not zero.any():
+            return
+        plain = np.ascontiguousarray(plain[zero])
+        found = np.empty_like(plain)
+        with NativePlan(self.comm, plain, found, reducer(MPI.MAX, np.uint8),
+                        state=self._state) as check:
+            check.run(_left(deadline))
+        out[candidates[zero][found == 0]] = -0.0
+
+    def free(self) -> None:
+        """Release the inner plans (idempotent)."""
+        if not self._freed:
+            self._inner.free()
+            self._keys_plan.free()
+        super().free()
+
+    def __repr__(self) -> str:
+        return (f"<mpiallreduce.ReproduciblePlan {self.algorithm} count={self._values.size} "
+                f"dtype={self._values.dtype} ranks={self._nranks}>")
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (at least a microsecond), or None."""
+    if deadline is None:
+        return None
+    return max(deadline - time.monotonic(), 1e-6)
+
+
+# -- entry points for api.py ---------------------------------------------------------------------
+
+def _checked_call(sendbuf, recvbuf, op, comm, algorithm, topology, params):
+    call = allreduce_call(sendbuf, recvbuf, op, comm, algorithm, topology, params)
+    check(call.reducer.name, call.recv.dtype)
+    return call
+
+
+class _Agreed:
+    """A checked call whose signature also says ``reproducible`` (ranks must agree on it)."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def signature(self, timeout) -> list[int]:
+        fields = self.call.signature(timeout)
+        fields[6] = (fields[6] ^ 0x52455052) & 0x7FFFFFFF  # the parameters field, marked
+        return fields
+
+
+def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    agreed = prepare(what, comm, check_args, lambda comm: _Agreed(_checked_call(
+        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout)
+    return agreed.call
+
+
+class _Entry:
+    """A one-shot reproducible plan kept in the communicator's call cache (``_state.CallCache``),
+    with its call's signature packed for the agreement check (see :mod:`._agree`)."""
+
+    __slots__ = ("plan", "objects", "dtype", "in_place", "nbytes", "state", "signatures")
+
+    def __init__(self, plan: ReproduciblePlan, objects: tuple, call, state):
+        self.plan, self.objects, self.state = plan, objects, state
+        self.dtype, self.in_place = call.recv.dtype, call.send is None
+        agreed = _Agreed(call)
+        self.signatures = (Signature(agreed.signature(None)), Signature(agreed.signature(1.0)))
+        self.nbytes = plan.nbytes
+
+    def run(self, check_args: bool, timeout: float | None) -> np.ndarray:
+        """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
+        whose call differs gets the same error as the others) and run."""
+        if check_args:
+            state = self.state
+            agree(state.checker, "allreduce", self.signatures[timeout is not None], None,
+                  ALGORITHMS, timeout, state.mark_broken)
+        return self.plan.run(timeout)
+
+    def free(self) -> None:
+        self.plan.free()
+
+
+def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """``mpiallreduce.allreduce(..., reproducible=True)``: a plan bound once per set of arrays.
+
+    A repeated call with the same arrays (and communicator, op, algorithm, topology and
+    parameters) skips the local checks and the binding, as plain calls do.
+    """
+    key = None
+    if isinstance(recvbuf, np.ndarray) and (sendbuf is MPI.IN_PLACE
+                                            or isinstance(sendbuf, np.ndarray)):
+        # key[2] is what CallCache files under LAST: never an int, so never a plain call's
+        key = ("reproducible", id(_WORLD if comm is None else comm),
+               ("reproducible", id(recvbuf)), id(sendbuf), id(op), algorithm, id(topology),
+               tuple(sorted(params.items())))
+        try:
+            entry = CALLS.get(key)
+        except TypeError:  # a parameter value that cannot be hashed: no caching
+            entry = key = None
+        # the entry holds the objects of its key alive, so equal ids are the same objects
+        if entry is not None and recvbuf.dtype is entry.dtype \
+                and (entry.in_place or sendbuf.dtype is entry.dtype) \
+                and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+            return entry.run(check_args, timeout)
+    call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
+                    timeout, params)
+    if call.recv.size == 0:
+        return call.recv
+    state = comm_state(call.comm)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    bound = ReproduciblePlan(call, state, explicit=False, timeout=None, deadline=deadline,
+                             what="allreduce")
+    if key is not None and state.calls.put(
+            key, _Entry(bound, (call.comm, sendbuf, recvbuf, op, topology), call, state)):
+        return bound.run(timeout)
+    try:
+        return bound.run(timeout)
+    finally:
+        bound.free()
+
+
+def plan(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """``mpiallreduce.plan(..., reproducible=True)``: a persistent :class:`ReproduciblePlan`."""
+    call = _prepare("plan", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
+                    timeout, params)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return ReproduciblePlan(call, comm_state(call.comm), explicit=True, timeout=timeout,
+                            deadline=deadline, what="plan")
+
+
+def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """``mpiallreduce.iallreduce(..., reproducible=True)``: a plan started once, then freed."""
+    from .nonblocking import Request, start
+
+    call = _prepare("iallreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
+                    timeout, params)
+    if call.recv.size == 0:
+        return Request(call.recv)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    bound = ReproduciblePlan(call, comm_state(call.comm), explicit=True, timeout=timeout,
+                             deadline=deadline, what="iallreduce")
+    try:
+        return start(bound, timeout)  # runs whole, now (see nonblocking.start)
+    finally:
+        bound.free()
+
+
+# -- whole vectors: sum, dot, norm2 ----------------------------------------------------------------
+
+#: fraction bits below a whole vector's largest magnitude (as the float64 elementwise format).
+VECTOR_BITS = 2 * WORD_BITS
+#: words of 42 bits in which each rank's exact local total crosses to the others.
+VECTOR_WORDS = 4
+_NO_EXPONENT = -1200  # the exponent field of an empty or all-zero component: below any value's
+_KINDS = ("sum", "dot", "norm2")
+#: per component: exponent, NaN, +inf, -inf, a value other than -0, any value at all
+_COMPONENT_FIELDS = 6
+
+
+class _Term:
+    """One term of a component: ``sign * left`` or ``sign * left * right`` elementwise in
+    float64 (exact for float32 input), made chunk by chunk: no full-size temporary."""
+
+    def __init__(self, left: np.ndarray, right: np.ndarray | None = None, sign: int = 1):
+        self.left, self.right, self.sign, self.size = left, right, sign, left.size
+
+    def chunks(self, buffer: np.ndarray):
+        """Yield the term's values, LOCAL_CHUNK at a time (views where no arithmetic is needed)."""
+        for start in range(0, self.size, LOCAL_CHUNK):
+            left = self.left[start:start + LOCAL_CHUNK]
+            out = buffer[:left.size]
+            if self.right is not None:
+                np.multiply(left, self.right[start:start + LOCAL_CHUNK], out=out, dtype=np.float64)
+            elif left.dtype == np.float64:
+                out = left
+            else:
+                np.copyto(out, left)
+            yield out
+
+
+def _component_stats(terms: list[_Term], buffer: np.ndarray) -> list[int]:
+    """This rank's fields of one component (see _COMPONENT_FIELDS)."""
+    nan, positive, negative, nonzero_sign, nonempty = 0, 0, 0, 0, 0
+    largest = 0.0
+    for term in terms:
+        for values in term.chunks(buffer):
+            nonempty = 1
+            top, bottom = float(values.max()), float(values.min())
+            if math.isnan(top) or math.isnan(bottom):
+                nan = 1
+                continue
+            if top == math.inf:
+                positive, negative = (1, negative) if term.sign > 0 else (positive, 1)
+            if bottom == -math.inf:
+                positive, negative = (positive, 1) if term.sign > 0 else (1, negative)
+            largest = max(largest, abs(top), abs(bottom))
+            if top != 0.0 or bottom != 0.0:
+                nonzero_sign = 1
+            elif not nonzero_sign:  # only zeros: a contribution is -0 where sign * value is
+                signs = np.signbit(values)
+                if not (signs.all() if term.sign > 0 else not signs.any()):
+                    nonzero_sign = 1
+    exponent = _NO_EXPONENT
+    if largest > 0.0 and math.isfinite(largest):
+        exponent = math.frexp(largest)[1]  # 2**(exponent-1) <= largest < 2**exponent
+    return [exponent, nan, positive, negative, nonzero_sign, nonempty]
+
+
+#: the largest unit for which the rounding constants below stay finite (1.5 * 2**(94 + u)).
+_TOP_UNIT = 928
+
+
+def _local_total(terms: list[_Term], unit: int, buffer: np.ndarray) -> int:
+    """The exact sum of ``sign * round(value * 2**-unit)`` over every term, as a Python int.
+
+    Two roundings by addition (Demmel and Nguyen's extraction): ``hi = value + 1.5 * 2**(94+u)``
+    rounds the value to a multiple of 2**(42+u) and holds that multiple, plus a constant, in its
+    low bits; the remainder, at most 2**(41+u), is rounded to a multiple of 2**u the same way
+    with ``1.5 * 2**(52+u)``. The int64 views of those sums are summed (wrapping, then the
+    constants are taken off modulo 2**64: exact, as LOCAL_CHUNK values sum below 2**62). Six
+    passes over the data, none converting between integers and floats.
+    """
+    total = 0
+    scale = 1.0
+    if unit > _TOP_UNIT:  # values near the largest float: scale down first (exact on the grid)
+        scale, unit = 2.0 ** (_TOP_UNIT - unit), _TOP_UNIT
+    high = 1.5 * 2.0 ** (2 * WORD_BITS + 52 - WORD_BITS + unit)  # ulp 2**(42+u)
+    low = 1.5 * 2.0 ** (52 + unit)  # ulp 2**u
+    high_bits = int(np.float64(high).view(np.int64))
+    low_bits = int(np.float64(low).view(np.int64))
+    top, rest = np.empty(buffer.size), np.empty(buffer.size)
+    for term in terms:
+        for chunk in term.chunks(buffer):
+            count = chunk.size
+            t, r = top[:count], rest[:count]
+            if scale != 1.0:
+                np.multiply(chunk, scale, out=r)
+                chunk = r
+            np.add(chunk, high, out=t)
+            upper = (int(np.add.reduce(t.view(np.int64))) - count * high_bits) % (1 << 64)
+            np.subtract(t, high, out=t)  # the multiple of 2**(42+u), exact
+            np.subtract(chunk, t, out=r)  # the remainder, exact
+            np.add(r, low, out=r)
+            lower = (int(np.add.reduce(r.view(np.int64))) - count * low_bits) % (1 << 64)
+            part = (_signed(upper) << WORD_BITS) + _signed(lower)
+            total += part if term.sign > 0 else -part
+    return total
+
+
+def _signed(value: int) -> int:
+    """A 64-bit two's complement value as a Python int."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _round(total: int, unit: int, fmt: _Format) -> float:
+    """``total * 2**unit`` rounded to nearest (ties to even) in ``fmt``, as a Python float."""
+    if total == 0:
+        return 0.0
+    magnitude = abs(total)
+    kept_unit = max(unit + magnitude.bit_length() - fmt.mantissa, fmt.min_unit)
+    if kept_unit > unit:
+        drop = kept_unit - unit
+        kept = magnitude >> drop
+        rest = magnitude - (kept << drop)
+        half = 1 << (drop - 1)
+        if rest > half or (rest == half and kept & 1):
+            kept += 1
+        magnitude, unit = kept, kept_unit
+    if magnitude.bit_length() + unit > fmt.max_exponent:
+        value = math.inf
+    else:
+        value = math.ldexp(float(magnitude), unit)  # exact: at most fmt.mantissa bits
+    return -value if total < 0 else value
+
+
+def _words(total: int) -> list[int]:
+    """``total`` as VECTOR_WORDS words of 42 bits, the last one signed (sums of p < 2**21 fit)."""
+    mask = (1 << WORD_BITS) - 1
+    words = [(total >> (WORD_BITS * k)) & mask for k in range(VECTOR_WORDS - 1)]
+    return words + [total >> (WORD_BITS * (VECTOR_WORDS - 1))]
+
+
+def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[tuple]:
+    """Agree on the arguments, then on each component's largest exponent, then sum exactly.
+
+    The argument check every call makes (:func:`._agree.agree`: one constant-size
+    ``Allreduce(MAX)``, so a rank whose call differs gets the same error as the others), one
+    ``Allreduce(MAX)`` of 12 int64 (two components' fields) and one integer SUM of the local
+    totals' words. Returns per component (total, unit, nan, +inf, -inf, any value other than
+    -0, any value).
+    """
+    from . import api
+    from ._agree import FIELDS, bad_signature
+    from .ops import DTYPES, OP_NAMES
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    state = comm_state(comm)
+    state.refuse_if_broken(what)
+    if error is None and comm.Get_size() > MAX_CONTRIBUTIONS:
+        error = ValueError(f"mar.{what} sums at most {MAX_CONTRIBUTIONS} ranks' totals (the "
+                           f"words' headroom); this communicator has {comm.Get_size()} ranks")
+    fields = bad_signature()
+    if error is None:
+        fields = [0] * len(FIELDS)
+        fields[2] = DTYPES.index(np.dtype(dtype))
+        fields[3] = OP_NAMES.index("SUM")
+        fields[4] = ALGORITHMS.index(algorithm)
+        fields[6] = _KINDS.index(what) + 1
+    agree(state.checker, what, Signature(fields), error, ALGORITHMS)
+    largest = max((term.size for terms in components for term in terms), default=0)
+    buffer = np.empty(min(largest, LOCAL_CHUNK))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
+        stats = [_component_stats(terms, buffer) for terms in components]
+    # always two components' fields (real and imaginary), so every rank sends the same count
+    stats += [[_NO_EXPONENT, 0, 0, 0, 0, 0]] * (2 - len(stats))
+    packed = np.array([value for component in stats for value in component], np.int64)
+    agreed = np.empty_like(packed)
+    state.checker.Allreduce(packed, agreed, MPI.MAX)
+    agreed_stats = agreed.reshape(-1, _COMPONENT_FIELDS)[:len(components)]
+    units = [max(int(row[0]) - VECTOR_BITS, -1074) for row in agreed_stats]
+    # a component with an inf or NaN anywhere is that special value: its total is not needed
+    with np.errstate(over="ignore", invalid="ignore"):
+        totals = [0 if row[1:4].any() else _local_total(terms, unit, buffer)
+                  for terms, unit, row in zip(components, units, agreed_stats)]
+    words = np.array([w for total in totals for w in _words(total)], np.int64)
+    api.allreduce(MPI.IN_PLACE, words, comm=comm, algorithm=algorithm, check=False)
+    results = []
+    for index, row in enumerate(agreed_stats):
+        total = 0
+        for k, word in enumerate(words[index * VECTOR_WORDS:(index + 1) * VECTOR_WORDS]):
+            total += int(word) << (WORD_BITS * k)
+        results.append((total, units[index], *(int(v) for v in row[1:])))
+    return results
+
+
+def _value(result: tuple, fmt: _Format) -> float:
+    """The float of one component: specials as IEEE addition gives them, else the rounded total."""
+    total, unit, nan, positive, negative, nonzero_sign, nonempty = result
+    if nan or (positive and negative):
+        return math.nan
+    if positive or negative:
+        return math.inf if positive else -math.inf
+    if total == 0:
+        return -0.0 if nonempty and not nonzero_sign else 0.0
+    return _round(total, unit, fmt)
+
+
+def _vector(array, name: str) -> tuple[np.ndarray | None, Exception | None]:
+    """A 1-D view of a float or complex array, or the error that says why not."""
+    try:
+        values = np.asarray(array)
+        check("SUM", values.dtype)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank after the agreement
+        return None, (exc if isinstance(exc, ValueError)
+                      else TypeError(f"{name}: {exc}"))
+    return values.reshape(-1), None
+
+
+def _parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Views of the real and imaginary parts, the latter None for real input."""
+    if values.dtype in _REAL:
+        return values.real, values.imag
+    return values, None
+
+
+def _result_type(dtype: np.dtype) -> np.dtype:
+    return np.dtype(_REAL.get(np.dtype(dtype), dtype))
+
+
+def sum(local, comm=None, algorithm: str = "auto"):  # noqa: A001 - the public name
+    """Sum every element of a vector split over the ranks: the same bits for any split.
+
+    Args:
+        local: this rank's part of the global vector (any shape; float32, float64, complex64
+            or complex128; the same dtype on every rank, any length, empty allowed).
+        comm: the communicator (default ``MPI.COMM_WORLD``).
+        algorithm: how the 4 words of each rank's exact total are summed (any gives the same).
+
+    Returns:
+        The sum as a NumPy scalar of the dtype: correctly rounded when every element lies
+        within 31 binades of the largest, else within ``N * 2**(e_max - 84)`` (docs/usage.md,
+        "Reproducible sums").
+
+    Cost: two passes for the largest magnitude, six for the exact local total (in chunks that
+    stay in cache), an ``Allreduce(MAX)`` of a few int64 and a SUM of 32 bytes per component.
+    """
+    values, error = _vector(local, "local")
+    dtype = values.dtype if values is not None else np.dtype(np.float64)
+    components = []
+    if values is not None:
+        real, imag = _parts(values)
+        components = [[_Term(real)]] + ([] if imag is None else [[_Term(imag)]])
+    return _finish("sum", components, dtype, comm, algorithm, error)
+
+
+def dot(x, y, comm=None, algorithm: str = "auto"):
+    """``np.dot`` of two vectors split over the ranks alike: the same bits for any split.
+
+    Each product is rounded once in float64 (exact for float32 and complex64 input), so it
+    does not depend on the split; their sum is exact until the one final rounding (as
+    :func:`sum`). Complex vectors are multiplied without conjugation, as ``np.dot``.
+    """
+    vx, error = _vector(x, "x")
+    vy, error_y = _vector(y, "y")
+    error = error or error_y
+    if error is None and vx.dtype != vy.dtype:
+        error = TypeError(f"x has dtype {vx.dtype} but y has {vy.dtype}; they must match")
+    if error is None and vx.shape != vy.shape:
+        error = ValueError(f"x has {vx.size} local elements but y has {vy.size}; split both "
+                           f"vectors alike")
+    dtype = vx.dtype if error is None else np.dtype(np.float64)
+    components = []
+    if error is None:
+        xr, xi = _parts(vx)
+        yr, yi = _parts(vy)
+        if xi is None:
+            components = [[_Term(xr, yr)]]
+        else:
+            components = [[_Term(xr, yr), _Term(xi, yi, -1)], [_Term(xr, yi), _Term(xi, yr)]]
+    return _finish("dot", components, dtype, comm, algorithm, error)
+
+
+def norm2(x, comm=None, algorithm: str = "auto"):
+    """The Euclidean norm of a vector split over the ranks: the same bits for any split.
+
+    ``sqrt`` of the sum of squares (each rounded once in float64, as :func:`dot`), the sum
+    rounded to float64 first; a real NumPy scalar of the input's precision.
+    """
+    vx, error = _vector(x, "x")
+    dtype = vx.dtype if error is None else np.dtype(np.float64)
+    components = []
+    if error is None:
+        real, imag = _parts(vx)
+        components = [[_Term(real, real)] + ([] if imag is None else [_Term(imag, imag)])]
+    return _finish("norm2", components, dtype, comm, algorithm, error)
+
+
+def _finish(what, components, dtype, comm, algorithm, error):
+    if error is None and algorithm not in ALGORITHMS:
+        error = ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                           f"{', '.join(ALGORITHMS)}")
+    results = _exact_totals(what, components, dtype, comm, algorithm, error)
+    real = _result_type(dtype)
+    if what == "norm2":
+        return real.type(math.sqrt(_value(results[0], FORMATS[np.dtype(np.float64)])))
+    fmt = FORMATS[real]
+    values = [_value(result, fmt) for result in results]
+    if len(values) == 1:
+        return real.type(values[0])
+    return np.dtype(dtype).type(complex(values[0], values[1]))

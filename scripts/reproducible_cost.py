@@ -1,0 +1,113 @@
+"""What reproducible sums cost: ``reproducible=True`` against the same call without, and
+``mar.dot`` against ``comm.allreduce(np.dot(x, y))``, medians of interleaved runs.
+
+    mpirun -n 2 python -m mpi4py scripts/reproducible_cost.py [--repeat 3] [--sizes 8 64K 8M]
+        [--algorithm auto] [--dot 1M]
+
+Each row times both variants ``--repeat`` times, alternating (plain, reproducible, plain, ...);
+a round times enough calls one by one to last about 0.2 s and keeps the median call (the
+slowest rank's): on a shared machine a block mean is dominated by the few calls during which a
+rank was descheduled. It prints the median over rounds of each, the median of the per-round
+ratios with their spread (min-max), and the ratio of the fastest calls seen (``best``). Rank 0
+prints. The arrays are float64, filled with values of mixed signs and magnitudes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiallreduce as mar
+
+TARGET_SECONDS = 0.2
+
+
+def size_bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def seconds_per_call(comm, call, calls: int) -> tuple[float, float]:
+    """The slowest rank's median and fastest time of ``calls`` calls timed one by one."""
+    comm.Barrier()
+    times = []
+    clock = time.perf_counter
+    for _ in range(calls):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return (comm.allreduce(statistics.median(times), op=MPI.MAX),
+            comm.allreduce(min(times), op=MPI.MAX))
+
+
+def calibrate(comm, call) -> int:
+    """How many calls last about TARGET_SECONDS (agreed: the slowest rank's count)."""
+    call()
+    once = seconds_per_call(comm, call, 3)[0]
+    return comm.allreduce(max(5, min(20_000, int(TARGET_SECONDS / max(once, 1e-7)))), op=MPI.MAX)
+
+
+def compare(comm, plain, other, repeat: int) -> tuple[float, float, list[float], float]:
+    """Median seconds of ``plain`` and ``other``, the per-round ratios other / plain and the
+    ratio of the fastest calls."""
+    calls = calibrate(comm, plain)
+    calls_other = calibrate(comm, other)
+    times, other_times, ratios, fastest, other_fastest = [], [], [], [], []
+    for _ in range(repeat):
+        base, base_min = seconds_per_call(comm, plain, calls)
+        cost, cost_min = seconds_per_call(comm, other, calls_other)
+        times.append(base)
+        other_times.append(cost)
+        ratios.append(cost / base)
+        fastest.append(base_min)
+        other_fastest.append(cost_min)
+    return (statistics.median(times), statistics.median(other_times), ratios,
+            min(other_fastest) / min(fastest))
+
+
+def row(label: str, base: float, cost: float, ratios: list[float], best: float) -> str:
+    return (f"{label:<34} {base * 1e6:>11.1f} {cost * 1e6:>11.1f} "
+            f"{statistics.median(ratios):>6.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] "
+            f"{best:>6.2f}x")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sizes", nargs="+", default=["8", "64K", "8M"])
+    parser.add_argument("--algorithm", default="auto")
+    parser.add_argument("--dot", default="1M", help="local elements of each vector for mar.dot")
+    args = parser.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rng = np.random.default_rng(comm.rank)
+    lines = [f"# {comm.size} ranks, float64, medians of {args.repeat} interleaved runs "
+             f"(microseconds, median call; ratio median [min-max]; best: fastest calls)",
+             f"# {'call':<32} {'without':>11} {'with':>11}  ratio [spread]   best"]
+    for text in args.sizes:
+        count = max(1, size_bytes(text) // 8)
+        x = rng.standard_normal(count) * np.exp2(rng.integers(-30, 30, count))
+        out = np.empty_like(x)
+        result = compare(
+            comm, lambda x=x, out=out: mar.allreduce(x, out, algorithm=args.algorithm),
+            lambda x=x, out=out: mar.allreduce(x, out, algorithm=args.algorithm,
+                                               reproducible=True), args.repeat)
+        lines.append(row(f"allreduce {text} B ({args.algorithm})", *result))
+    count = size_bytes(args.dot)
+    x, y = rng.standard_normal(count), rng.standard_normal(count)
+    result = compare(comm, lambda: comm.allreduce(np.dot(x, y)),
+                     lambda: mar.dot(x, y, comm=comm), args.repeat)
+    lines.append(row(f"dot of {args.dot} elements (vs np.dot)", *result))
+    result = compare(comm, lambda: comm.allreduce(np.sum(x)), lambda: mar.sum(x, comm=comm),
+                     args.repeat)
+    lines.append(row(f"sum of {args.dot} elements (vs np.sum)", *result))
+    if comm.rank == 0:
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

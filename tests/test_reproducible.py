@@ -1,0 +1,99 @@
+"""The pieces of reproducible sums that need no peers: rounding, headroom, argument checks."""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import reproducible
+from mpiallreduce.reproducible import FORMATS, MAX_CONTRIBUTIONS, _round, check, word_bits
+
+F64, F32 = FORMATS[np.dtype(np.float64)], FORMATS[np.dtype(np.float32)]
+
+
+def nearest(exact: Fraction, dtype) -> float:
+    """Round ``exact`` to nearest, ties to even, by searching the float grid (no float math)."""
+    info = np.finfo(dtype)
+    if exact == 0:
+        return 0.0
+    sign, magnitude = (1, exact) if exact > 0 else (-1, -exact)
+    mantissa = info.nmant + 1
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    while Fraction(2) ** exponent > magnitude and exponent > info.minexp:
+        exponent -= 1
+    while Fraction(2) ** (exponent + 1) <= magnitude:
+        exponent += 1
+    unit = Fraction(2) ** (max(exponent, info.minexp) - mantissa + 1)
+    steps = magnitude / unit
+    floor = steps.numerator // steps.denominator
+    rest = steps - floor
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and floor % 2):
+        floor += 1
+    value = floor * unit
+    if value >= Fraction(2) ** (info.maxexp):
+        return sign * math.inf
+    return sign * float(value)
+
+
+@pytest.mark.parametrize("fmt, dtype", [(F64, np.float64), (F32, np.float32)], ids=["f64", "f32"])
+def test_round_is_correct_rounding_ties_to_even(fmt, dtype):
+    rng = random.Random(1)
+    cases = [(1, 0), (-1, 0), (3, -1076), ((1 << 53) + 1, 0), ((1 << 54) + 2, -1),
+             ((1 << 24) + 1, 0), ((1 << 200) - 1, 900), (5, -1075), (5, -151), (3, 127),
+             ((1 << 25) - 1, 103)]
+    for _ in range(3000):
+        bits = rng.randint(1, 140)
+        total = rng.getrandbits(bits) * rng.choice([-1, 1]) or 1
+        unit = rng.randint(-1200, 1000)
+        cases.append((total, unit))
+    for total, unit in cases:
+        want = nearest(Fraction(total) * Fraction(2) ** unit, dtype)
+        got = _round(total, unit, fmt)
+        assert got == want or (math.isinf(got) and got == want), (total, unit, got, want)
+        assert float(dtype(got)) == got or math.isinf(got)
+
+
+def test_words_have_headroom_for_every_supported_rank_count():
+    for nranks in (1, 2, 3, 1023, 1024, 1025, 65536, MAX_CONTRIBUTIONS):
+        bits = word_bits(nranks)
+        assert nranks * 2 ** bits < 2 ** 52  # every partial sum of words is an exact float64
+        assert bits >= 31
+    assert word_bits(2) == word_bits(1023) == reproducible.WORD_BITS
+
+
+@pytest.mark.parametrize("op, dtype", [("MAX", "float64"), ("MIN", "float32"), ("PROD", "float64"),
+                                       ("SUM", "int64"), ("SUM", "uint8"), ("AVG", "int32")])
+def test_uncovered_ops_and_dtypes_name_the_reason(op, dtype):
+    with pytest.raises(ValueError, match="MIN, MAX and sums of integers are exact"):
+        check(op, np.dtype(dtype))
+    for op, dtype in (("SUM", "float64"), ("AVG", "complex64")):
+        check(op, np.dtype(dtype))
+
+
+def test_single_rank_results_are_the_input_bits():
+    """One contribution per element: every value comes back as it was (subnormals, -0, inf)."""
+    x = np.array([1.5, -0.0, 0.0, 5e-324, -5e-324, np.inf, -np.inf, 1e308, 2.0 ** -1060, -3.0])
+    out = mar.allreduce(x, None, comm=MPI.COMM_SELF, algorithm="ring", reproducible=True)
+    assert np.array_equal(out, x) and np.array_equal(np.signbit(out), np.signbit(x))
+    y = np.where(np.abs(x) > 1e38, 3e38, x).astype(np.float32)
+    out32 = mar.allreduce(y, None, comm=MPI.COMM_SELF, reproducible=True)
+    assert np.array_equal(out32, y) and np.array_equal(np.signbit(out32), np.signbit(y))
+
+
+def test_sum_of_subnormals_and_of_opposite_extremes_is_exact():
+    tiny = np.float64(5e-324)
+    values = np.array([tiny] * 1000 + [-tiny] * 10)
+    assert float(mar.sum(values, comm=MPI.COMM_SELF)) == 990 * 5e-324
+    big = np.finfo(np.float64).max
+    assert float(mar.sum(np.array([big, big, -big]), comm=MPI.COMM_SELF)) == big
+    assert float(mar.sum(np.array([big, big]), comm=MPI.COMM_SELF)) == math.inf
+    assert float(mar.sum(np.array([], dtype=np.float64), comm=MPI.COMM_SELF)) == 0.0
+    assert mar.sum(np.ones(3, dtype=np.float32), comm=MPI.COMM_SELF).dtype == np.float32
+    assert mar.norm2(np.array([3 + 4j]), comm=MPI.COMM_SELF) == 5.0
+    assert mar.dot(np.array([1 + 2j]), np.array([3 - 1j]), comm=MPI.COMM_SELF) == (1 + 2j) * (3 - 1j)
