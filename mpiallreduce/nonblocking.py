@@ -369,6 +369,14 @@ def _engine(comm: MPI.Comm) -> _Engine:
 
 
 def _schedule_request(plan, timeout, owned: bool, finish=None) -> Request:
+    if not hasattr(plan, "steps"):
+        # no steps to progress (a plan of other plans, the shared-memory transport): it runs
+        # whole now, in call order as a blocking call would; the request is complete
+        try:
+            return Request(plan.run(timeout))
+        finally:
+            if owned:
+                plan.free()
     engine = _engine(plan.comm)
     run = _Run(engine, plan, timeout, owned)
     request = Request(plan.recvbuf, run, finish)
@@ -421,15 +429,14 @@ def start(plan, timeout: float | None = None) -> Request:
     """Start a persistent plan (from :func:`mpiallreduce.plan`) without waiting for it.
 
     A native plan starts MPI's persistent request (``Allreduce_init``, made on the first start);
-    a schedule posts its first step and progresses as the module docstring says; a plan made of
-    other plans (``reproducible=True``) runs whole at the start. ``wait()``
+    a schedule posts its first step and progresses as the module docstring says; a plan without
+    steps of its own (``reproducible=True``, the shared-memory transport) runs whole at the
+    start, in call order, and its request is complete. ``wait()``
     returns the plan's result buffer. Until the request completes, ``run()``, ``start()`` and
     ``free()`` on the plan raise ValueError. Start plans in the same order on every rank.
     """
     if not hasattr(plan, "steps") and not isinstance(plan, NativePlan):
-        # a plan made of other plans (reproducible sums): it runs whole now, in call order as
-        # a blocking call would, and its request is complete (no overlap; the same result)
-        return Request(plan.run(timeout))
+        return _schedule_request(plan, timeout, owned=False)  # runs whole now
     timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
     plan._take_off(True)
     if isinstance(plan, NativePlan):
