@@ -22,6 +22,9 @@ What runs where:
   MPI and never spins against the caller's computation; it exits after :data:`IDLE_SECONDS`
   without runs. Whichever thread completes a step runs its combines; the engine's lock keeps
   them apart (the thread only tries it, so it never makes the caller wait).
+- **A plan without steps of its own** (``reproducible=True``, the shared-memory transport) runs
+  whole at ``start``/``iallreduce``, in call order as a blocking call would, and its request is
+  complete on return (the same result, no overlap).
 - **Deadlines and failures** are decided in the caller's thread: ``wait(timeout)`` raises
   :class:`CollectiveTimeout` and leaves the request in flight; a run past its own ``timeout=``
   (given to ``iallreduce``/``start``) is abandoned there, in the caller's thread, which marks
