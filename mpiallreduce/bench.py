@@ -122,8 +122,9 @@ def default_iterations(size: int) -> tuple[int, int]:
     return iterations, max(1, iterations // 10)
 
 
-#: how an algorithm is called: a plan's run(), or the one-shot function with or without the check.
-APIS = ("plan", "call", "call-nocheck")
+#: how an algorithm is called: a plan's run(), the one-shot function with or without the check,
+#: or the drop-in ``mar.Comm(comm, algorithm).Allreduce`` with or without it.
+APIS = ("plan", "call", "call-nocheck", "comm", "comm-nocheck")
 #: the label of mpi4py's own ``comm.Allreduce``, timed beside the one-shot calls.
 MPI_CALL = "comm.Allreduce"
 
@@ -194,7 +195,9 @@ def build_parser(printing: bool = True) -> _Parser:
     parser.add_argument("--api", default="plan", metavar="LIST",
                         help="comma list of how each algorithm is called: plan (mar.plan(...).run()),"
                              " call (mar.allreduce(...), one-shot, check=True), call-nocheck "
-                             "(mar.allreduce(..., check=False)); with a call mode, comm.Allreduce "
+                             "(mar.allreduce(..., check=False)), comm and comm-nocheck (the same "
+                             "through mar.Comm(comm, algorithm).Allreduce); with a call mode, "
+                             "comm.Allreduce "
                              "itself is timed too, and rows of a call mode are named "
                              "ALGORITHM/MODE (default: plan)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
@@ -429,6 +432,10 @@ class _Case:
             # would cost more than the call path itself at 8 B)
             recv, check = self.recv, api == "call"
             run = lambda: mar.allreduce(sendbuf, recv, op, comm, algorithm, topology, check)
+        elif api in ("comm", "comm-nocheck"):
+            drop_in = mar.Comm(comm, algorithm, topology=topology, check=api == "comm")
+            recv = self.recv
+            run = lambda: drop_in.Allreduce(sendbuf, recv, op)
         else:
             run = plan.run
         with plan if plan is not None else contextlib.nullcontext():
@@ -601,7 +608,7 @@ def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
             continue
         mean = sum(r.busbw_gbs for r in mine) / len(mine)
         line = f"# {name}: mean busbw {mean:.4f} GB/s over {len(mine)} size(s)"
-        if MPI_CALL in name or "/call" in name:
+        if MPI_CALL in name or "/call" in name or "/comm" in name:
             base = {r.size: r.avg_us for r in rows if r.algorithm == MPI_CALL}
             ratios = [f"{human(r.size)} {r.avg_us / base[r.size]:.2f}x" for r in mine
                       if r.size in base and name != MPI_CALL]

@@ -248,20 +248,28 @@ def _same_elements(view: np.ndarray, array) -> bool:
             and view.ctypes.data == array.ctypes.data)
 
 
-_REDUCERS: dict = {}  # (predefined op handle, dtype) -> Reducer or None: a hot-path lookup
+_REDUCERS: dict = {}  # (predefined op handle, dtype) -> Reducer or None
+_BY_OBJECT: dict = {}  # (id of a predefined op object, dtype) -> (op, Reducer or None): hot path
 
 
 def _reducible(op, dtype: np.dtype):
     """Return mpiallreduce's Reducer for (op, dtype), or None where MPI should decide."""
+    hit = _BY_OBJECT.get((id(op), dtype))
+    if hit is not None and hit[0] is op:
+        return hit[1]
     key = (op.handle, dtype) if isinstance(op, MPI.Op) and op.is_predefined else None
     if key in _REDUCERS:
-        return _REDUCERS[key]
-    try:
-        red = reducer(op, dtype)
-    except (TypeError, ValueError):
-        red = None
-    if key is not None:
+        red = _REDUCERS[key]
+    else:
+        try:
+            red = reducer(op, dtype)
+        except (TypeError, ValueError):
+            red = None
+        if key is None:
+            return red
         _REDUCERS[key] = red
+    if len(_BY_OBJECT) < 1024:
+        _BY_OBJECT[id(op), dtype] = (op, red)  # holds op, so its id stays its own
     return red
 
 
@@ -367,7 +375,13 @@ class Comm(MPI.Intracomm):
         self._options = options
         self._related = {k: v for k, v in options.items() if k in ("check", "timeout")}
         self._view = None  # the plain view mpiallreduce gets, made once (see _plain)
-        self._routed: dict = {}  # (ids of sendbuf, recvbuf, op) -> those objects: see Allreduce
+        # mar.allreduce's arguments after the buffers and op, positional, and the parameters
+        self._args = (self._algorithm, options.get("topology"), options.get("check", True),
+                      options.get("timeout"))
+        self._params = {k: v for k, v in options.items()
+                        if k not in ("topology", "check", "timeout")}
+        self._calls: dict = {}  # id(recvbuf) -> an Allreduce routed as it came: see Allreduce
+        self._previous = (None, None)  # the last pair of arrays seen once: see Allreduce
         self._settings = dict(options, reduce_scatter_algorithm=reduce_scatter_algorithm,
                               allgather_algorithm=allgather_algorithm)
 
@@ -391,7 +405,7 @@ class Comm(MPI.Intracomm):
         if view is None or view.handle != self.handle:
             # one object per handle: mpiallreduce caches plans by the communicator's identity
             view = self._view = MPI.Intracomm(self)
-            self._routed.clear()
+            self._calls.clear()
         return view
 
     def _adopt(self, comm):
@@ -406,26 +420,31 @@ class Comm(MPI.Intracomm):
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
         """Reduce to all, as ``MPI.Intracomm.Allreduce``, with this communicator's algorithm.
 
-        Arrays passed before, unchanged, skip the buffer-spec parsing and go to
-        ``mar.allreduce`` as they are, so that its plan cache (keyed by their identity) hits.
+        A call with the objects of an earlier call that went to ``mar.allreduce`` as they were
+        (NumPy arrays, whole) goes there at once: one lookup by ``recvbuf``'s identity, and
+        ``mar.allreduce``'s own plan cache (keyed by the same objects) hits.
         """
+        entry = self._calls.get(id(recvbuf))
         try:
-            routed = self._routed.get((id(sendbuf), id(recvbuf), id(op)))
-            view = self._view
-            if routed is not None and view is not None and view.handle == self.handle \
-                    and recvbuf.shape == routed[3] and recvbuf.dtype == routed[4]:
-                allreduce(sendbuf, recvbuf, op, comm=view, algorithm=self._algorithm,
-                          **self._options)
+            if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
+                    and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
+                allreduce(sendbuf, recvbuf, op, entry[5], *self._args, **self._params)
                 return None
             if type(recvbuf) is np.ndarray and recvbuf.dtype in _DTYPES \
                     and fresh_arrays(sendbuf, recvbuf) \
                     and _reducible(op, recvbuf.dtype) is not None:
-                # plain NumPy arrays (a fresh one per call, as dot products are written): no
-                # spec to parse, and mar.allreduce knows a native call by its shape
-                view = self._plain()
-                if view is not None:
-                    allreduce(sendbuf, recvbuf, op, comm=view, algorithm=self._algorithm,
-                              **self._options)
+                # plain NumPy arrays, C-contiguous, of the same shape: no spec to parse (a fresh
+                # pair per call, as dot products are written, is known by its shape there)
+                plain = self._view
+                if plain is None or plain.handle != self.handle:
+                    plain = self._plain()
+                if plain is not None:
+                    previous = self._previous
+                    if previous[1] is recvbuf and previous[0] is sendbuf:
+                        self._remember(sendbuf, recvbuf, op, plain)  # the same arrays again
+                    else:
+                        self._previous = (sendbuf, recvbuf)
+                    allreduce(sendbuf, recvbuf, op, plain, *self._args, **self._params)
                     return None
             route = self._route(lambda: self._reduction(sendbuf, recvbuf, op), op, "allreduce")
             if route is None:
@@ -434,20 +453,24 @@ class Comm(MPI.Intracomm):
             if _same_elements(recv, recvbuf) and (
                     sendbuf is MPI.IN_PLACE or (_same_elements(send, sendbuf)
                                                 and sendbuf.shape == recvbuf.shape)):
-                # plain arrays: the same call works on the objects themselves from now on
-                if len(self._routed) >= 64:
-                    self._routed.clear()
-                self._routed[(id(sendbuf), id(recvbuf), id(op))] = (
-                    sendbuf, recvbuf, op, recvbuf.shape, recvbuf.dtype)
-                allreduce(sendbuf, recvbuf, op, comm=plain, algorithm=self._algorithm,
-                          **self._options)
+                # whole arrays (Fortran order too): the objects themselves from now on
+                self._remember(sendbuf, recvbuf, op, plain)
+                allreduce(sendbuf, recvbuf, op, plain, *self._args, **self._params)
                 return None
-            allreduce(MPI.IN_PLACE if send is None else send, recv, op, comm=plain,
-                      algorithm=self._algorithm, **self._options)
+            allreduce(MPI.IN_PLACE if send is None else send, recv, op, plain, *self._args,
+                      **self._params)
             return None
         except _Unviewable as agreed:
             _settle(agreed, None)
         return super().Allreduce(sendbuf, recvbuf, op)
+
+    def _remember(self, sendbuf, recvbuf, op, plain) -> None:
+        """Keep an Allreduce routed with its own objects (they stay alive, so their ids stay
+        theirs); a new element type of recvbuf or a new handle parses the call again."""
+        calls = self._calls
+        if len(calls) >= 64:
+            calls.clear()
+        calls[id(recvbuf)] = (sendbuf, recvbuf, op, recvbuf.dtype, self.handle, plain)
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Start a reduce to all with :func:`mpiallreduce.iallreduce`; return a request to
@@ -457,8 +480,7 @@ class Comm(MPI.Intracomm):
             if route is not None:
                 plain, send, recv = route
                 return _Request(iallreduce(MPI.IN_PLACE if send is None else send, recv, op,
-                                           comm=plain, algorithm=self._algorithm,
-                                           **self._options))
+                                           plain, *self._args, **self._params))
         except _Unviewable as agreed:
             _settle(agreed, None)
         return super().Iallreduce(sendbuf, recvbuf, op)
@@ -475,7 +497,7 @@ class Comm(MPI.Intracomm):
             if route is not None:
                 plain, send, recv = route
                 return _Persistent(plan(MPI.IN_PLACE if send is None else send, recv, op,
-                                        comm=plain, algorithm=self._algorithm, **self._options))
+                                        plain, *self._args, **self._params))
         except _Unviewable as agreed:
             _settle(agreed, None)
         return super().Allreduce_init(sendbuf, recvbuf, op, info)
@@ -545,14 +567,14 @@ class Comm(MPI.Intracomm):
         if not _might_route(local.dtype, op):
             return None  # the others go to MPI without agreeing, as the shared facts say
         plain = self._plain()
-        if plain is None or not self._options.get("check", True):
+        if plain is None or not self._args[2]:
             return None
 
         def refuse(comm):
             raise local
 
         try:
-            prepare(what, plain, True, refuse, timeout=self._options.get("timeout"))
+            prepare(what, plain, True, refuse, timeout=self._args[3])
         except _Unviewable as agreed:
             _settle(agreed, local.probe)
         return None

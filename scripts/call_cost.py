@@ -1,9 +1,10 @@
 """What a call costs against ``comm.Allreduce``: the bench's ``--api`` rows, medians of repeats.
 
     python scripts/call_cost.py [--ranks 2 4] [--sizes 8 64K 8M] [--repeat 3]
-        [--algorithms native,recursive_doubling]
+        [--algorithms native,recursive_doubling] [--api plan,call,call-nocheck,comm,comm-nocheck]
 
-For every rank count and size, runs ``python -m mpiallreduce.bench --api plan,call,call-nocheck``
+For every rank count and size, runs ``python -m mpiallreduce.bench --api ...`` (``comm``: the
+drop-in, ``mar.Comm(comm, algorithm).Allreduce``)
 ``--repeat`` times under mpirun (a fresh job each time) and prints, per row, the median over the
 repeats of its time / ``comm.Allreduce``'s time in the same run, with the spread (min-max).
 Needs the venv's mpirun (or one on PATH); sets Open MPI's variables for root and
@@ -32,13 +33,14 @@ def _mpirun() -> str:
     return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")
 
 
-def bench(ranks: int, size: str, algorithms: str, iterations: int | None) -> list[dict]:
+def bench(ranks: int, size: str, algorithms: str, iterations: int | None,
+          apis: str = "plan,call,call-nocheck") -> list[dict]:
     """Run the bench once; return its rows."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rows.json")
         command = [_mpirun(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
                    "mpiallreduce.bench", "--sizes", f"{size}:{size}", "--algorithms", algorithms,
-                   "--api", "plan,call,call-nocheck", "--quiet", "--json", out]
+                   "--api", apis, "--quiet", "--json", out]
         if iterations:
             command += ["--iterations", str(iterations)]
         env = {**os.environ, **OPEN_MPI_ENV}
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--algorithms", default="native,auto,recursive_doubling")
     parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--api", default="plan,call,call-nocheck,comm,comm-nocheck")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
     print(f"# {'ranks':>5} {'size':>6} {'row':<34} {'ratio':>7}  spread          median us")
     for ranks in args.ranks:
         for size in args.sizes:
-            runs = [bench(ranks, size, args.algorithms, args.iterations) for _ in range(args.repeat)]
+            runs = [bench(ranks, size, args.algorithms, args.iterations, args.api)
+                    for _ in range(args.repeat)]
             labels = [r["algorithm"] for r in runs[0]]
             for label in labels:
                 ratios, times = [], []
