@@ -3,12 +3,16 @@
 ``comm = mar.Comm(MPI.COMM_WORLD, algorithm="ring")`` is a ``MPI.Intracomm`` on the same MPI
 communicator. ``Allreduce``, ``Iallreduce``, ``Allreduce_init``, ``Reduce_scatter_block``,
 ``Reduce_scatter`` (MPI's block layout) and ``Allgather`` go through :func:`mpiallreduce.allreduce`
-and its related collectives; every other method is mpi4py's own. Whatever mpiallreduce cannot
-take goes to MPI unchanged, so it behaves exactly as plain mpi4py: a derived or pair datatype
-(``MPI.DOUBLE_INT`` with ``MAXLOC``), a predefined op MPI does not define for the datatype, a
-strided buffer, a buffer spec mpi4py would reject (mpi4py then raises its own exception). The
-decision is local, from the arguments; ranks that pass the same kinds of arguments (as MPI
-requires) take the same path.
+and its related collectives; every other method is mpi4py's own. Buffers are read as mpi4py
+reads them (the buffer protocol, then DLPack). Whatever mpiallreduce cannot take goes to MPI
+unchanged, so it behaves exactly as plain mpi4py: a derived or pair datatype (``MPI.DOUBLE_INT``
+with ``MAXLOC``), a predefined op MPI does not define for the datatype, a malformed spec (mpi4py
+then raises its own exception), a buffer NumPy cannot view.
+
+Ranks route alike: what the datatype and op decide (the same on every rank, as MPI requires)
+each rank decides alone; a rank that cannot take its buffer joins the agreement the others run
+(``check=True``), so every rank goes to MPI together (:class:`_Unviewable`); ``Reduce_scatter``
+with ``recvcounts=None`` gathers the counts first, as mpi4py does.
 """
 
 from __future__ import annotations
