@@ -432,7 +432,10 @@ class Comm(MPI.Intracomm):
         try:
             if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
                     and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
-                allreduce(sendbuf, recvbuf, op, entry[5], *self._args, **self._params)
+                if self._params:
+                    allreduce(sendbuf, recvbuf, op, *entry[5], **self._params)
+                else:
+                    allreduce(sendbuf, recvbuf, op, *entry[5])
                 return None
             if type(recvbuf) is np.ndarray and recvbuf.dtype in _DTYPES \
                     and fresh_arrays(sendbuf, recvbuf) \
@@ -474,15 +477,25 @@ class Comm(MPI.Intracomm):
         calls = self._calls
         if len(calls) >= 64:
             calls.clear()
-        calls[id(recvbuf)] = (sendbuf, recvbuf, op, recvbuf.dtype, self.handle, plain)
+        calls[id(recvbuf)] = (sendbuf, recvbuf, op, recvbuf.dtype, self.handle,
+                              (plain, *self._args))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Start a reduce to all with :func:`mpiallreduce.iallreduce`; return a request to
         ``Wait``/``Test`` (mpi4py's request interface, not an ``MPI.Request``)."""
         try:
+            entry = self._calls.get(id(recvbuf))
+            if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
+                    and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
+                return _Request(iallreduce(sendbuf, recvbuf, op, *entry[5], **self._params))
             route = self._route(lambda: self._reduction(sendbuf, recvbuf, op), op, "iallreduce")
             if route is not None:
                 plain, send, recv = route
+                if _same_elements(recv, recvbuf) and (
+                        sendbuf is MPI.IN_PLACE or (_same_elements(send, sendbuf)
+                                                    and sendbuf.shape == recvbuf.shape)):
+                    self._remember(sendbuf, recvbuf, op, plain)  # as Allreduce: the objects
+                    send, recv = (None if sendbuf is MPI.IN_PLACE else sendbuf), recvbuf
                 return _Request(iallreduce(MPI.IN_PLACE if send is None else send, recv, op,
                                            plain, *self._args, **self._params))
         except _Unviewable as agreed:
