@@ -433,9 +433,10 @@ class Comm(MPI.Intracomm):
             if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
                     and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
                 if self._params:
-                    allreduce(sendbuf, recvbuf, op, *entry[5], **self._params)
-                else:
-                    allreduce(sendbuf, recvbuf, op, *entry[5])
+                    allreduce(sendbuf, recvbuf, op, entry[5], *self._args, **self._params)
+                else:  # spelled out: a * or ** call costs more than the routing itself
+                    allreduce(sendbuf, recvbuf, op, entry[5], entry[6], entry[7], entry[8],
+                              entry[9])
                 return None
             if type(recvbuf) is np.ndarray and recvbuf.dtype in _DTYPES \
                     and fresh_arrays(sendbuf, recvbuf) \
@@ -477,8 +478,8 @@ class Comm(MPI.Intracomm):
         calls = self._calls
         if len(calls) >= 64:
             calls.clear()
-        calls[id(recvbuf)] = (sendbuf, recvbuf, op, recvbuf.dtype, self.handle,
-                              (plain, *self._args))
+        calls[id(recvbuf)] = (sendbuf, recvbuf, op, recvbuf.dtype, self.handle, plain,
+                              *self._args)
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Start a reduce to all with :func:`mpiallreduce.iallreduce`; return a request to
@@ -487,7 +488,8 @@ class Comm(MPI.Intracomm):
             entry = self._calls.get(id(recvbuf))
             if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
                     and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
-                return _Request(iallreduce(sendbuf, recvbuf, op, *entry[5], **self._params))
+                return _Request(iallreduce(sendbuf, recvbuf, op, entry[5], *self._args,
+                                           **self._params))
             route = self._route(lambda: self._reduction(sendbuf, recvbuf, op), op, "iallreduce")
             if route is not None:
                 plain, send, recv = route
