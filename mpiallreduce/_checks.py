@@ -31,26 +31,43 @@ def check_comm(comm) -> None:
         raise TypeError("comm is an intercommunicator; mpiallreduce needs an intracommunicator")
 
 
+def view(obj, name: str) -> np.ndarray:
+    """View ``obj``'s memory as a NumPy array without copying, through the exports mpi4py reads.
+
+    In mpi4py's order: the buffer protocol, then DLPack (CPU memory) for an object without a
+    working buffer protocol. An export is foreign code and may raise anything (``SystemError``
+    from a broken DLPack capsule included): every failure is a ``TypeError`` naming ``name``.
+    """
+    if isinstance(obj, np.ndarray):
+        return obj
+    try:
+        return np.asarray(memoryview(obj))
+    except Exception as exc:  # noqa: BLE001 - a foreign export may raise any kind
+        failure = exc
+    try:
+        dlpack = hasattr(obj, "__dlpack__")
+    except Exception:  # noqa: BLE001 - an attribute lookup is foreign code too
+        dlpack = False
+    if not dlpack:
+        raise TypeError(f"{name} must be a NumPy array or expose the buffer protocol, "
+                        f"got {type(obj).__name__}") from None
+    try:
+        return np.from_dlpack(obj)
+    except Exception as exc:  # noqa: BLE001 - a foreign export may raise any kind
+        raise TypeError(f"{name}: NumPy cannot view this {type(obj).__name__} on the CPU "
+                        f"(buffer protocol: {type(failure).__name__}: {failure}; DLPack: "
+                        f"{type(exc).__name__}: {exc})") from None
+
+
 def as_array(obj, name: str, writable: bool) -> np.ndarray:
     """View ``obj`` as a NumPy array without copying; raise for anything MPI could not read.
 
-    C- and Fortran-contiguous arrays are accepted (MPI reads either as its memory order); a
-    strided view, a non-native byte order or a dtype without a predefined MPI datatype is an
-    error that names the fix.
+    The view is :func:`view`'s (any export failure is a ``TypeError``). C- and
+    Fortran-contiguous arrays are accepted (MPI reads either as its memory order); a strided
+    view, a non-native byte order or a dtype without a predefined MPI datatype is an error that
+    names the fix.
     """
-    if isinstance(obj, np.ndarray):
-        array = obj
-    elif hasattr(obj, "__dlpack__"):
-        try:
-            array = np.from_dlpack(obj)
-        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
-            raise TypeError(f"{name}: cannot view this DLPack object on the CPU ({exc})") from None
-    else:
-        try:
-            array = np.asarray(memoryview(obj))
-        except (TypeError, BufferError):
-            raise TypeError(f"{name} must be a NumPy array or expose the buffer protocol, "
-                            f"got {type(obj).__name__}") from None
+    array = view(obj, name)
     flags = array.flags
     if not (flags.c_contiguous or flags.f_contiguous):
         raise ValueError(f"{name} must be contiguous (C or Fortran order; got strides "

@@ -84,8 +84,9 @@ def default_iterations(size: int) -> tuple[int, int]:
 
 #: how an algorithm is called: a plan's run(), the one-shot function with or without the check,
 #: a plan's start().wait(), the one-shot iallreduce(...).wait(), and through the drop-in
-#: ``mar.Comm``: its Allreduce, and its Allreduce_init's Start + Wait.
-APIS = ("plan", "call", "call-nocheck", "start", "iallreduce", "comm", "comm-init")
+#: ``mar.Comm``: its Allreduce with or without the check, and its Allreduce_init's Start + Wait.
+APIS = ("plan", "call", "call-nocheck", "start", "iallreduce", "comm", "comm-nocheck",
+        "comm-init")
 #: the label of mpi4py's own ``comm.Allreduce``, timed beside the one-shot calls.
 MPI_CALL = "comm.Allreduce"
 #: the label of MPI's own persistent request (``comm.Allreduce_init``: Start + Wait), timed
@@ -160,11 +161,12 @@ def build_parser(printing: bool = True) -> _Parser:
                         help="comma list of how each algorithm is called: plan (mar.plan(...).run()),"
                              " call (mar.allreduce(...), one-shot, check=True), call-nocheck "
                              "(mar.allreduce(..., check=False)), start (plan.start().wait()), "
-                             "iallreduce (mar.iallreduce(...).wait()), comm (mar.Comm(comm, "
-                             "algorithm).Allreduce), comm-init (mar.Comm's Allreduce_init: Start + "
-                             "Wait); with a mode other than plan, comm.Allreduce itself is timed "
-                             "too (and comm.Allreduce_init's Start + Wait beside start, iallreduce "
-                             "and comm-init), and rows of a mode are named ALGORITHM/MODE "
+                             "iallreduce (mar.iallreduce(...).wait()), comm and comm-nocheck "
+                             "(mar.Comm(comm, algorithm).Allreduce with and without the check), "
+                             "comm-init (mar.Comm's Allreduce_init: Start + Wait); with a mode "
+                             "other than plan, comm.Allreduce itself is timed too (and "
+                             "comm.Allreduce_init's Start + Wait beside start, iallreduce and "
+                             "comm-init), and rows of a mode are named ALGORITHM/MODE "
                              "(default: plan)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
                         help="measure every size R times, the algorithms interleaved in each round; "
@@ -425,15 +427,15 @@ class _Case:
             run = lambda: plan.start().wait()
         elif api == "iallreduce":
             run = lambda: mar.iallreduce(sendbuf, recv, op, comm, algorithm, topology).wait()
-        elif api in ("comm", "comm-init"):
+        elif api in ("comm", "comm-nocheck", "comm-init"):
             try:
-                drop_in = mar.Comm(comm, algorithm, topology=topology)
+                drop_in = mar.Comm(comm, algorithm, topology=topology, check=api != "comm-nocheck")
                 if api == "comm-init":
                     plan = drop_in.Allreduce_init(sendbuf, recv, op)
             except ValueError as exc:
                 return str(exc)
-            run = ((lambda: drop_in.Allreduce(sendbuf, recv, op)) if api == "comm"
-                   else (lambda: (plan.Start(), plan.Wait())))
+            run = ((lambda: (plan.Start(), plan.Wait())) if api == "comm-init"
+                   else (lambda: drop_in.Allreduce(sendbuf, recv, op)))
         else:
             run = plan.run
         if api == "plan":

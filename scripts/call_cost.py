@@ -5,7 +5,7 @@
 
 For every rank count and size, runs ``python -m mpiallreduce.bench --api plan,call,...`` (every
 call mode: plan, one-shot call with and without check, start, iallreduce, the drop-in's
-Allreduce and Allreduce_init)
+Allreduce with and without check and its Allreduce_init)
 ``--repeat`` times under mpirun (a fresh job each time) and prints, per row, the median over the
 repeats of its time / ``comm.Allreduce``'s time in the same run, with the spread (min-max).
 ``--trace`` runs the bench with ``--trace`` (its timed schedule runs recorded, the file
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--algorithms", default="native,auto,recursive_doubling")
     parser.add_argument("--iterations", type=int, default=None)
-    parser.add_argument("--api", default="plan,call,call-nocheck,start,iallreduce,comm,comm-init",
+    parser.add_argument("--api", default="plan,call,call-nocheck,start,iallreduce,comm,comm-nocheck,"
+                                         "comm-init",
                         help="the bench's --api modes to time (default: all of them)")
     parser.add_argument("--trace", action="store_true",
                         help="trace the timed runs (bench --trace): what tracing costs")

@@ -382,3 +382,23 @@ def test_vector_bad_input_raises_on_every_rank():
         with pytest.raises(ValueError, match="differ"):
             mar.sum(np.ones(2, dtype=np.float32 if comm.rank == 0 else np.float64), comm=comm)
     assert float(mar.sum(np.ones(2), comm=comm)) == 2 * comm.size
+
+
+def test_a_reproducible_drop_in_passes_the_flag_only_where_it_applies():
+    comm = MPI.COMM_WORLD
+    drop_in = mar.Comm(comm, "ring", reproducible=True)
+    x = np.random.default_rng(comm.rank).standard_normal(37)
+    out = np.empty_like(x)
+    for _ in range(2):  # routed, then through the remembered decision
+        drop_in.Allreduce(x, out, MPI.SUM)
+        assert np.array_equal(out, mar.allreduce(x, op=MPI.SUM, comm=comm, algorithm="tree",
+                                                 reproducible=True))
+    counts = np.arange(5, dtype=np.int64) + comm.rank
+    biggest = np.empty_like(counts)
+    drop_in.Allreduce(counts, biggest, MPI.MAX)  # exact already: no flag, no ValueError
+    expected = np.empty_like(counts)
+    comm.Allreduce(counts, expected, MPI.MAX)
+    assert np.array_equal(biggest, expected)
+    request = drop_in.Iallreduce(x, out, MPI.SUM)
+    request.Wait()
+    assert np.array_equal(out, mar.allreduce(x, op=MPI.SUM, comm=comm, reproducible=True))
