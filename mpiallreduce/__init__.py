@@ -9,11 +9,12 @@ from .executor import Plan
 from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
 from .ops import AVG
+from .shm import SharedArray, shared_empty, shared_zeros
 from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
-           "Plan", "Request", "ScheduleError", "ShardedSGD", "TopK", "Topology", "__version__",
+           "Plan", "Request", "ScheduleError", "SharedArray", "ShardedSGD", "TopK", "Topology", "__version__",
            "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "iallreduce", "plan",
-           "reduce_scatter", "start"]
+           "reduce_scatter", "shared_empty", "shared_zeros", "start"]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, select
+from . import algorithms, select, shm
 from ._agree import Signature, agree
 from ._checks import ALGORITHMS, Call
 from ._state import CommState
@@ -117,6 +117,11 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,
                           owned=explicit)
     topology = call.topology
+    if name == "shm":  # the node-local shared-memory transport, not a schedule
+        if topology is None and nranks > 1:
+            topology = state.default_topology(deadline, what)
+        return shm.build(call, state, topology=topology, timeout=timeout, deadline=deadline,
+                         plan_id=state.take_slot() if explicit else 0, what=what)
     if algorithms.get(name).uses_topology and topology is None:
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)
