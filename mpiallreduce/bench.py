@@ -122,8 +122,9 @@ def default_iterations(size: int) -> tuple[int, int]:
     return iterations, max(1, iterations // 10)
 
 
-#: how an algorithm is called: a plan's run(), or the one-shot function with or without the check.
-APIS = ("plan", "call", "call-nocheck")
+#: how an algorithm is called: a plan's run(), or the one-shot function with or without the check;
+#: plan-shared: a plan's run() on buffers from ``mar.shared_empty`` (zero copy under ``shm``).
+APIS = ("plan", "call", "call-nocheck", "plan-shared")
 #: the label of mpi4py's own ``comm.Allreduce``, timed beside the one-shot calls.
 MPI_CALL = "comm.Allreduce"
 
@@ -194,7 +195,8 @@ def build_parser(printing: bool = True) -> _Parser:
     parser.add_argument("--api", default="plan", metavar="LIST",
                         help="comma list of how each algorithm is called: plan (mar.plan(...).run()),"
                              " call (mar.allreduce(...), one-shot, check=True), call-nocheck "
-                             "(mar.allreduce(..., check=False)); with a call mode, comm.Allreduce "
+                             "(mar.allreduce(..., check=False)), plan-shared (a plan on "
+                             "mar.shared_empty buffers); with a call mode, comm.Allreduce "
                              "itself is timed too, and rows of a call mode are named "
                              "ALGORITHM/MODE (default: plan)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
@@ -411,23 +413,31 @@ class _Case:
 
         ``api`` is how it is called (:data:`APIS`), or :data:`MPI_CALL` for ``comm.Allreduce``.
         """
+        if api == "plan-shared":
+            with mar.shared_empty(self.x.shape, self.x.dtype, comm=self.comm) as send, \
+                    mar.shared_empty(self.x.shape, self.x.dtype, comm=self.comm) as recv:
+                send[...] = self.x
+                return self._measure(algorithm, topology, "plan", send, recv)
+        return self._measure(algorithm, topology, api, self.x, self.recv)
+
+    def _measure(self, algorithm: str, topology, api: str, x: np.ndarray, recv: np.ndarray):
         opts, comm = self.opts, self.comm
         if opts.in_place:
-            self.recv[...] = self.x
-        sendbuf = MPI.IN_PLACE if opts.in_place else self.x
+            recv[...] = self.x
+        sendbuf = MPI.IN_PLACE if opts.in_place else x
         op = _op(opts.op)
         kwargs = dict(op=op, comm=comm, algorithm=algorithm, topology=topology)
         try:
-            plan = mar.plan(sendbuf, self.recv, check=True, **kwargs) if api == "plan" else None
+            plan = mar.plan(sendbuf, recv, check=True, **kwargs) if api == "plan" else None
         except ValueError as exc:
             return str(exc)
         if api == MPI_CALL:
             red = reducer(op, self.x.dtype)
-            run = lambda: comm.Allreduce(sendbuf, self.recv, red.mpi_op)
+            run = lambda: comm.Allreduce(sendbuf, recv, red.mpi_op)
         elif api in ("call", "call-nocheck"):
             # the arguments spelled out, as a caller writes them (a **kwargs expansion per call
             # would cost more than the call path itself at 8 B)
-            recv, check = self.recv, api == "call"
+            check = api == "call"
             run = lambda: mar.allreduce(sendbuf, recv, op, comm, algorithm, topology, check)
         else:
             run = plan.run
@@ -439,13 +449,14 @@ class _Case:
             ok = True
             if opts.validate:
                 if opts.in_place:
-                    self.recv[...] = self.x
+                    recv[...] = self.x
                 else:
-                    self.recv.fill(99)  # so a run that writes nothing cannot pass
+                    recv.fill(99)  # so a run that writes nothing cannot pass
+                comm.Barrier()  # a shared result: no peer writes into it before it is reset
                 run()
                 if api == MPI_CALL and reducer(op, self.x.dtype).average:
-                    np.divide(self.recv, comm.size, out=self.recv)
-                ok = bool(np.array_equal(self.recv, self.ref))
+                    np.divide(recv, comm.size, out=recv)
+                ok = bool(np.array_equal(recv, self.ref))
         ok = comm.allreduce(ok, op=MPI.LAND)
         return seconds, ok
 

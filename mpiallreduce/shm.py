@@ -32,9 +32,11 @@ between data and counter on both sides (:data:`FENCE`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import platform
+import threading
 import time
 import weakref
 from functools import partial
@@ -50,9 +52,13 @@ from .partition import block
 #: bytes of each rank's header: counter, then two signatures (call parity), padded to two
 #: 64-byte lines so that a peer's adjacent-line prefetch never pulls in another rank's header.
 HEADER_BYTES = 256
-#: int64 words of a signature: count, dtype, op, plan, send block, send offset, recv block,
-#: recv offset.
-SIGNATURE_WORDS = 8
+#: int64 words of a signature area (one per call parity): its kind, then the fields. A data
+#: call writes count, dtype, op, plan, send block, send offset, recv block, recv offset; the
+#: argument check (``check=True``) writes the ten fields of :mod:`._agree`.
+SIGNATURE_WORDS = 12
+KIND_DATA, KIND_CHECK = 1, 2
+DATA_FIELDS = ("count", "dtype", "op", "plan", "shared sendbuf", "sendbuf offset",
+               "shared recvbuf", "recvbuf offset")
 #: most bytes per rank of the small regime (every rank reduces every slot).
 SMALL_BYTES = 16 << 10
 #: smallest data window per rank (two parity slots); windows grow to the next power of two.
@@ -85,7 +91,10 @@ class Node:
         self.comm = private.Split_type(MPI.COMM_TYPE_SHARED, key=private.Get_rank())
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.closed = False
-        self.epoch = 0
+        self.epoch = 0  # the last epoch claimed (in call order, in the caller's thread)
+        self.finished = 0  # the last epoch run to its end on this rank
+        self.turns = threading.Condition()
+        self.waiting = 0
         self.capacity = 0  # bytes per rank of the current data window
         self.segments: list = []  # each rank's segment of the current data window
         self.windows: list[MPI.Win] = []
@@ -96,6 +105,113 @@ class Node:
         self.header = self.headers[self.rank]
         self.header[:] = memoryview(bytes(HEADER_BYTES)).cast("q")
         self.comm.Barrier()  # every header is zero before anyone reads one
+        self.peers = tuple(q for q in range(self.size) if q != self.rank)
+        self.peer_headers = tuple(self.headers[q] for q in self.peers)
+        self.sync = header.Sync if FENCE else None
+        self.areas = tuple((1 + parity * SIGNATURE_WORDS, 1 + (parity + 1) * SIGNATURE_WORDS)
+                           for parity in (0, 1))
+        self.signatures = tuple(tuple(h[lo:hi] for h in self.headers) for lo, hi in self.areas)
+
+    # -- order: epochs are claimed in call order and run one after the other -----------------
+
+    def claim(self) -> int:
+        """Take the next epoch (in the caller's thread, so in call order on every rank)."""
+        self.epoch += 1
+        return self.epoch
+
+    def turn(self, epoch: int, deadline: float | None, what: str) -> None:
+        """Wait until every earlier epoch has run here (one started in a progress thread)."""
+        if self.finished == epoch - 1:
+            return
+        with self.turns:
+            self.waiting += 1
+            try:
+                while self.finished != epoch - 1:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise CollectiveTimeout(f"{what} on rank {self.rank}: an earlier "
+                                                f"request on this communicator did not finish "
+                                                f"in time")
+                    self.turns.wait(0.01)
+            finally:
+                self.waiting -= 1
+
+    def finish(self, epoch: int) -> None:
+        self.finished = epoch
+        if self.waiting:
+            with self.turns:
+                self.turns.notify_all()
+
+    # -- the counters ---------------------------------------------------------------------------
+
+    def publish(self, value: int) -> None:
+        """Make this rank's data and signature visible, then its counter ``value``."""
+        if self.sync is not None:
+            self.sync()
+        self.header[0] = value
+
+    def wait(self, target: int, deadline: float | None) -> list[int] | None:
+        """Wait until every peer's counter reaches ``target``; return the ranks missing at
+        ``deadline`` (None once all arrived). Spins, then yields the core, then sleeps."""
+        reads = 0
+        started = None
+        pause = 5e-5
+        for peer in self.peer_headers:
+            while peer[0] < target:
+                reads += 1
+                if reads < SPIN_READS:
+                    continue
+                now = time.monotonic()
+                if started is None:
+                    started = now
+                if deadline is not None and now > deadline:
+                    return [q for q, h in zip(self.peers, self.peer_headers) if h[0] < target]
+                if now - started < YIELD_SECONDS:
+                    os.sched_yield()
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+        if self.sync is not None:
+            self.sync()
+        return None
+
+    # -- the argument check ----------------------------------------------------------------------
+
+    def agree(self, signature, timeout: float | None, what: str, on_timeout) -> bool:
+        """The argument check over the headers: True if every rank wrote ``signature``.
+
+        One epoch like a small call, with no data: the ten fields of :mod:`._agree` in this
+        rank's header, the counter, a read of every header. False (only ever on every rank
+        alike) sends the caller to the exchange of :func:`._agree.disagree`; a peer that runs
+        a data call here instead (``check=False`` on some ranks only) raises ValueError.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        epoch = self.claim()
+        try:
+            self.turn(epoch, deadline, what)
+            parity = epoch & 1
+            lo, hi = self.areas[parity]
+            self.header[lo:hi] = signature.shm
+            self.publish(2 * epoch)
+            missing = self.wait(2 * epoch - 1, deadline)
+            if missing is not None:
+                reason = (f"{what} on rank {self.rank}: the argument check did not complete "
+                          f"within {timeout:g} s; no answer from rank(s) "
+                          f"{', '.join(map(str, missing))} (a rank has not made this call, or "
+                          f"runs calls in a different order, or passed check=False)")
+                on_timeout(reason, [], (signature,))
+                raise CollectiveTimeout(reason)
+            mine = signature.shm
+            same = True
+            for theirs in self.signatures[parity]:
+                if theirs != mine:
+                    same = False
+                    if theirs[0] != KIND_CHECK:
+                        raise ValueError(
+                            f"{what}: some ranks check the arguments (check=True) where others "
+                            f"run without the check; pass the same check on every rank")
+            return same
+        finally:
+            self.finish(epoch)
 
     def _allocate(self, nbytes: int) -> MPI.Win:
         window = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
@@ -174,6 +290,9 @@ def _delete_node(comm, keyval, node) -> None:
 
 
 KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_node)
+#: the node of a communicator whose ranks all share it, on its checker duplicate: the argument
+#: check then runs over the headers (:meth:`Node.agree`).
+CHECK_KEYVAL = MPI.Comm.Create_keyval()
 
 
 def node_of(state, deadline: float | None = None, what: str = "allreduce") -> Node:
@@ -190,6 +309,8 @@ def node_of(state, deadline: float | None = None, what: str = "allreduce") -> No
                 raise CollectiveTimeout(reason)
         found = Node(private, state)
         private.Set_attr(KEYVAL, found)
+        if found.size == private.Get_size():
+            state.checker.Set_attr(CHECK_KEYVAL, found)
     return found
 
 
@@ -343,7 +464,7 @@ class ShmPlan(_PlanBase):
         count, dtype = result.size, result.dtype
         source = flat(call.send) if call.send is not None else result
         self._scratch = np.empty(0, dtype=dtype)
-        self._run = self._run_local
+        self._claimed: collections.deque = collections.deque()
         self._local = ()
         for array in (call.send, call.recv):  # a shared array may not be freed under a plan
             memory = getattr(array, "_block", None)
@@ -371,17 +492,11 @@ class ShmPlan(_PlanBase):
                      -1 if send_at is None else send_at,
                      -1 if recv_block is None else recv_block.ident,
                      -1 if recv_at is None else recv_at]
+        signature = [KIND_DATA, *signature]
+        signature += [0] * (SIGNATURE_WORDS - len(signature))
         self._signature = memoryview(np.array(signature, dtype=np.int64)).cast("B").cast("q")
-        # per parity: the place of this rank's signature, and every rank's
-        words = [(1 + parity * SIGNATURE_WORDS, 1 + (parity + 1) * SIGNATURE_WORDS)
-                 for parity in (0, 1)]
         self._sign = tuple(partial(node.header.__setitem__, slice(lo, hi), self._signature)
-                           for lo, hi in words)
-        self._signatures = tuple(tuple(header[lo:hi] for header in node.headers)
-                                 for lo, hi in words)
-        self._peers = tuple(q for q in range(p) if q != rank)
-        self._peer_headers = tuple(node.headers[q] for q in self._peers)
-        self._sync = node.windows[0].Sync if FENCE else None
+                           for lo, hi in node.areas)
         self._segments = node.segments
         nbytes = result.nbytes
         if red.ufunc is None and recv_block is not None and nbytes > SMALL_BYTES:
@@ -513,102 +628,95 @@ class ShmPlan(_PlanBase):
         else:
             timeout, deadline = self._start(timeout)
         node = self._node
-        if node is not None and node.closed:
+        if node is None:
+            for call in self._local:
+                call()
+            return self.recvbuf
+        if node.closed:
             raise ValueError("the communicator of this plan has been freed")
-        self._run(timeout, deadline)
+        epoch = self._claimed.popleft() if self._claimed else node.claim()
+        try:
+            if node.finished != epoch - 1:
+                node.turn(epoch, deadline, self._label)
+            self._run(node, epoch, timeout, deadline)
+        finally:
+            node.finish(epoch)
         return self.recvbuf
 
     __call__ = run
 
-    def _run_local(self, timeout, deadline) -> None:
-        for call in self._local:
-            call()
+    def claim(self) -> None:
+        """Take this plan's next epoch now, in the caller's thread, for a run that happens later
+        in another thread (``start``, ``iallreduce``): runs then keep call order."""
+        if self._node is not None:
+            self._claimed.append(self._node.claim())
 
-    def _arrive(self, epoch: int, value: int, timeout, deadline, step: int) -> None:
+    def start(self, timeout: float | None = None):
+        """Start a run without waiting for it (see :meth:`Plan.start`); its epoch is taken now."""
+        self.claim()
+        try:
+            return super().start(timeout)
+        except BaseException:
+            if self._node is not None:  # never queued: give the epoch back
+                self._claimed.pop()
+                self._node.epoch -= 1
+            raise
+
+    def _arrive(self, node: Node, epoch: int, value: int, timeout, deadline, step: int) -> None:
         """Publish ``value``, wait until every peer published ``2 * epoch - 1 + step``, and
-        compare the signatures."""
-        header = self._node.header
-        if self._sync is not None:
-            self._sync()
-        header[0] = value
+        (step 0) compare the signatures."""
+        node.publish(value)
         target = 2 * epoch - 1 + step
-        for peer in self._peer_headers:
+        for peer in node.peer_headers:
             if peer[0] < target:
-                self._wait(target, timeout, deadline, step)
+                missing = node.wait(target, deadline)
+                if missing is not None:
+                    self._fail(f"{self._label} on rank {node.rank}: no answer from rank(s) "
+                               f"{', '.join(map(str, missing))} in step {step} within "
+                               f"{timeout:g} s (a rank did not make this call, or ranks run "
+                               f"plans or calls on this communicator in different orders)")
                 break
-        if self._sync is not None:
-            self._sync()
+        else:
+            if node.sync is not None:
+                node.sync()
         if step == 0:
-            signatures = self._signatures[epoch & 1]
+            signatures = node.signatures[epoch & 1]
             mine = self._signature
             for theirs in signatures:
                 if theirs != mine:
                     self._mismatch(signatures)
 
-    def _run_small(self, timeout, deadline) -> None:
-        node = self._node
-        epoch = node.epoch + 1
-        node.epoch = epoch
+    def _run_small(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
         load, reduce = self._programs[parity]
         for call in load:
             call()
         self._sign[parity]()
-        self._arrive(epoch, 2 * epoch, timeout, deadline, 0)
+        self._arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
         for call in reduce:
             call()
 
-    def _run_large(self, timeout, deadline) -> None:
-        node = self._node
-        epoch = node.epoch + 1
-        node.epoch = epoch
+    def _run_large(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
         load, reduce, pull = self._programs[parity]
         for call in load:
             call()
         self._sign[parity]()
-        self._arrive(epoch, 2 * epoch - 1, timeout, deadline, 0)
+        self._arrive(node, epoch, 2 * epoch - 1, timeout, deadline, 0)
         for call in reduce:
             call()
-        self._arrive(epoch, 2 * epoch, timeout, deadline, 1)
+        self._arrive(node, epoch, 2 * epoch, timeout, deadline, 1)
         for call in pull:
             call()
 
-    def _wait(self, target: int, timeout, deadline, step: int) -> None:
-        """Wait until every peer's counter reaches ``target``: spin, then yield, then sleep."""
-        peers = self._peer_headers
-        reads = 0
-        started = None
-        pause = 5e-5
-        for peer in peers:
-            while peer[0] < target:
-                reads += 1
-                if reads < SPIN_READS:
-                    continue
-                now = time.monotonic()
-                if started is None:
-                    started = now
-                if deadline is not None and now > deadline:
-                    self._expire(target, timeout, step)
-                if now - started < YIELD_SECONDS:
-                    os.sched_yield()
-                else:
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
-
-    def _expire(self, target: int, timeout, step: int) -> None:
-        missing = [q for q, header in zip(self._peers, self._peer_headers) if header[0] < target]
-        self._fail(f"{self._label} on rank {self._node.rank}: no answer from rank(s) "
-                   f"{', '.join(map(str, missing))} in step {step} within {timeout:g} s (a rank "
-                   f"did not make this call, or ranks run plans or calls on this communicator "
-                   f"in different orders)")
-
     def _mismatch(self, signatures) -> None:
-        names = ("count", "dtype", "op", "plan", "shared sendbuf", "sendbuf offset",
-                 "shared recvbuf", "recvbuf offset")
         table = [list(theirs) for theirs in signatures]
+        if any(fields[0] != KIND_DATA for fields in table):
+            raise ValueError("shm allreduce: some ranks run this call while others check the "
+                             "arguments of another (check=True on some ranks only, or calls in "
+                             "different orders)")
         problems = []
-        for column, name in enumerate(names):
+        for column, name in enumerate(DATA_FIELDS, start=1):
             values: dict = {}
             for rank, fields in enumerate(table):
                 values.setdefault(fields[column], []).append(rank)
@@ -634,11 +742,13 @@ def _describe(name: str, value: int) -> str:
     return str(value)
 
 
-def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str) -> ShmPlan:
+def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
+          claim: bool = False) -> ShmPlan:
     """Bind an shm plan for ``call`` on a one-node communicator.
 
     Raises ValueError (on every rank alike: the topology is agreed) when the communicator spans
     several nodes. The window is made or grown here, from the call's agreed count and dtype.
+    ``claim``: take the run's epoch now (its run happens later, in another thread).
     """
     private = state.private
     nranks = private.Get_size()
@@ -655,4 +765,7 @@ def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str) 
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but only {node.size} "
                          f"of {nranks} ranks share this one; use 'hierarchical' or 'cascade'")
     node.reserve(call.recv.nbytes, deadline, what)
-    return ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state)
+    plan = ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state)
+    if claim:
+        plan.claim()  # a run in another thread (iallreduce) keeps its place in call order
+    return plan
