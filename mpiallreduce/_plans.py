@@ -84,16 +84,27 @@ def builder_params(name: str, call: Call, collective: str = "allreduce") -> tupl
     return tuple(sorted(params.items()))
 
 
-def resolve(call: Call, nranks: int) -> str:
+def resolve(call: Call, nranks: int, state: CommState | None = None,
+            deadline: float | None = None, what: str = "allreduce") -> str:
     """The algorithm a call runs: its own, or what ``auto`` picks (the same on every rank).
 
     ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
-    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does.
+    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does. Given the
+    communicator's ``state``, ``auto`` picks ``shm`` where :func:`select.shm_fits` and every rank
+    is on one node (the first time, the topology discovery is collective: every rank resolves
+    its first ``auto`` call at the same call, a miss of every cache). A tuning table for the
+    communicator size overrides that rule.
     """
     name = call.algorithm
     if name != "auto":
         return name
     red, nbytes = call.reducer, call.recv.nbytes
+    if state is not None and select.shm_fits(nranks, nbytes):
+        topology = call.topology
+        if topology is None:
+            topology = state.default_topology(deadline, what)
+        if topology.nnodes == 1:
+            return "shm"
     if nranks > 1 and native_deviates(red.name, call.recv.dtype):
         return "recursive_doubling" if nbytes < select.MODULAR_RING_BYTES else "ring"
     return select.choose(nranks, nbytes, red, call.topology)
@@ -111,7 +122,7 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     """
     private = state.private
     nranks, rank = private.Get_size(), private.Get_rank()
-    name = resolve(call, nranks)
+    name = resolve(call, nranks, state, deadline, what)
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,

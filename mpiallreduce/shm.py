@@ -60,7 +60,7 @@ KIND_DATA, KIND_CHECK = 1, 2
 DATA_FIELDS = ("count", "dtype", "op", "plan", "shared sendbuf", "sendbuf offset",
                "shared recvbuf", "recvbuf offset")
 #: most bytes per rank of the small regime (every rank reduces every slot).
-SMALL_BYTES = 16 << 10
+SMALL_BYTES = 32 << 10
 #: smallest data window per rank (two parity slots); windows grow to the next power of two.
 MIN_WINDOW = 64 << 10
 #: counter reads a wait makes back to back before it yields the core between reads.
@@ -497,6 +497,8 @@ class ShmPlan(_PlanBase):
         self._signature = memoryview(np.array(signature, dtype=np.int64)).cast("B").cast("q")
         self._sign = tuple(partial(node.header.__setitem__, slice(lo, hi), self._signature)
                            for lo, hi in node.areas)
+        self._peer_signatures = tuple(tuple(area[q] for q in node.peers)
+                                      for area in node.signatures)
         self._segments = node.segments
         nbytes = result.nbytes
         if red.ufunc is None and recv_block is not None and nbytes > SMALL_BYTES:
@@ -548,14 +550,46 @@ class ShmPlan(_PlanBase):
         return calls
 
     def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
+        """(load, sign, reduce) of the small regime for one parity: single calls."""
         slots = self._slots(parity)
         rank = self._node.rank
         own = memoryview(slots[rank]).cast("B")
         load = partial(own.__setitem__, slice(None), memoryview(source).cast("B"))
-        reduce = self._reduce_into(self._result, slots)
-        if self._average:
-            reduce.append(partial(np.divide, self._result, self._nranks, self._result))
-        return (load,), tuple(reduce)
+        reduce = self._scalar(slots) or self._reduce_into(self._result, slots)
+        if isinstance(reduce, list):
+            if self._average:
+                reduce.append(partial(np.divide, self._result, self._nranks, self._result))
+            reduce = partial(_call_each, tuple(reduce)) if len(reduce) > 1 else reduce[0]
+        return load, self._sign[parity], reduce
+
+    def _scalar(self, slots: list[np.ndarray]):
+        """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
+        ufunc, in rank order) through memoryviews, without NumPy's per-call cost; else None."""
+        red, result = self.reducer, self._result
+        if result.size != 1 or result.dtype != np.float64 or red.name not in ("SUM", "AVG",
+                                                                                "PROD"):
+            return None
+        out = memoryview(result).cast("B").cast("d")
+        first, *rest = [memoryview(slot).cast("B").cast("d") for slot in slots]
+        divisor = float(self._nranks) if self._average else None
+        if red.name == "PROD":
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total *= view[0]
+                out[0] = total
+        elif divisor is None and len(rest) == 1:
+            second = rest[0]
+
+            def reduce():
+                out[0] = first[0] + second[0]
+        else:
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total += view[0]
+                out[0] = total if divisor is None else total / divisor
+        return reduce
 
     def _bind_large(self, parity: int, source: np.ndarray, input_block, input_at, recv_block,
                     recv_at, in_place_input: bool) -> tuple:
@@ -688,13 +722,26 @@ class ShmPlan(_PlanBase):
 
     def _run_small(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
-        load, reduce = self._programs[parity]
-        for call in load:
-            call()
-        self._sign[parity]()
-        self._arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
-        for call in reduce:
-            call()
+        load, sign, reduce = self._programs[parity]
+        load()
+        sign()
+        # _arrive, written out: this path is what an 8-byte call costs
+        if node.sync is not None:
+            node.sync()
+        node.header[0] = 2 * epoch
+        target = 2 * epoch - 1
+        for peer in node.peer_headers:
+            if peer[0] < target:
+                self._arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
+                break
+        else:
+            if node.sync is not None:
+                node.sync()
+            mine = self._signature
+            for theirs in self._peer_signatures[parity]:
+                if theirs != mine:
+                    self._mismatch(node.signatures[parity])
+        reduce()
 
     def _run_large(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
@@ -726,6 +773,11 @@ class ShmPlan(_PlanBase):
                     f"{', '.join(map(str, ranks))}" for value, ranks in values.items()))
         raise ValueError("shm allreduce: ranks run different calls (arguments, or plans and "
                          "calls in different orders): " + "; ".join(problems))
+
+
+def _call_each(calls: tuple) -> None:
+    for call in calls:
+        call()
 
 
 def _describe(name: str, value: int) -> str:

@@ -294,3 +294,25 @@ def test_nonblocking_and_comm(comm):
     drop_in.Allreduce(x, out)
     assert_matches_native(comm, x, out, MPI.SUM)
     assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_check_over_shared_memory_reports_a_timeout_on_some_ranks_only():
+    """Once the node's shared memory exists the argument check runs there, where a check with a
+    timeout meets one without: every rank gets the same ValueError instead of a timeout."""
+    comm = MPI.COMM_WORLD.Dup()
+    x = contribution(comm, 10, "float64")
+    mar.allreduce(x, comm=comm, algorithm="shm")
+    with pytest.raises(ValueError, match="timeout differs: no timeout on rank"):
+        mar.allreduce(x, comm=comm, algorithm="native", timeout=5 if comm.rank == 1 else None)
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm), MPI.SUM)
+    comm.Free()
+
+
+def test_auto_runs_shm_on_one_node(comm):
+    one_node = Topology.from_comm(comm).nnodes == 1
+    for count in (1, 1000, 100_000):
+        x = contribution(comm, count, "float64")
+        with mar.plan(x, comm=comm) as plan:
+            assert plan.algorithm == ("shm" if one_node and 2 <= comm.size <= 8 else plan.algorithm)
+            assert_matches_native(comm, x, plan.run(), MPI.SUM)
