@@ -27,7 +27,7 @@ from ._state import state as comm_state
 from .errors import CollectiveTimeout
 from .executor import check_timeout, poll
 from .ops import DTYPES, OP_NAMES
-from .shm import CHECK_KEYVAL, KIND_CHECK, SIGNATURE_WORDS
+from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
 
 #: field names of the signature; the first is the bad-input flag.
 FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
@@ -50,8 +50,7 @@ class Signature:
         self.packed = array("q", fields + [-value for value in fields])
         self.result = array("q", bytes(8 * len(self.packed)))
         # as written into a shared-memory header (mpiallreduce.shm), where the ranks share one
-        self.shm = memoryview(array("q", [KIND_CHECK, *fields]
-                                    + [0] * (SIGNATURE_WORDS - 1 - len(fields))))
+        self.shm = memoryview(array("q", signature_words(KIND_CHECK, fields)))
 
 
 def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Exception | None,

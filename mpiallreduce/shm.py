@@ -52,7 +52,8 @@ from .partition import block
 #: bytes of each rank's header: counter, then two signatures (call parity), padded to two
 #: 64-byte lines so that a peer's adjacent-line prefetch never pulls in another rank's header.
 HEADER_BYTES = 256
-#: int64 words of a signature area (one per call parity): its kind, then the fields. A data
+#: int64 words of a signature area (one per call parity): its kind, a digest of the whole, then
+#: the fields (a peer compares the digest word alone on the hot path). A data
 #: call writes count, dtype, op, plan, send block, send offset, recv block, recv offset; the
 #: argument check (``check=True``) writes the ten fields of :mod:`._agree`.
 SIGNATURE_WORDS = 12
@@ -73,6 +74,14 @@ ALIGN = 64
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 #: whether a ``Win.Sync`` fence runs between data and counter.
 FENCE = platform.machine().lower() not in TSO_MACHINES
+
+
+def signature_words(kind: int, fields) -> list[int]:
+    """A signature area's words: kind, digest, fields, zero padding. The digest is Python's
+    hash of a tuple of ints: the same in every process (only str/bytes hashes are salted)."""
+    fields = [int(field) for field in fields]
+    digest = hash((kind, *fields)) & ((1 << 62) - 1)
+    return [kind, digest, *fields] + [0] * (SIGNATURE_WORDS - 2 - len(fields))
 
 
 def _round(nbytes: int) -> int:
@@ -111,6 +120,7 @@ class Node:
         self.areas = tuple((1 + parity * SIGNATURE_WORDS, 1 + (parity + 1) * SIGNATURE_WORDS)
                            for parity in (0, 1))
         self.signatures = tuple(tuple(h[lo:hi] for h in self.headers) for lo, hi in self.areas)
+        self.written: list = [None, None]  # the plan whose signature each area holds
 
     # -- order: epochs are claimed in call order and run one after the other -----------------
 
@@ -191,6 +201,7 @@ class Node:
             parity = epoch & 1
             lo, hi = self.areas[parity]
             self.header[lo:hi] = signature.shm
+            self.written[parity] = None
             self.publish(2 * epoch)
             missing = self.wait(2 * epoch - 1, deadline)
             if missing is not None:
@@ -492,13 +503,11 @@ class ShmPlan(_PlanBase):
                      -1 if send_at is None else send_at,
                      -1 if recv_block is None else recv_block.ident,
                      -1 if recv_at is None else recv_at]
-        signature = [KIND_DATA, *signature]
-        signature += [0] * (SIGNATURE_WORDS - len(signature))
+        signature = signature_words(KIND_DATA, signature)
+        self._digest = signature[1]
         self._signature = memoryview(np.array(signature, dtype=np.int64)).cast("B").cast("q")
-        self._sign = tuple(partial(node.header.__setitem__, slice(lo, hi), self._signature)
-                           for lo, hi in node.areas)
-        self._peer_signatures = tuple(tuple(area[q] for q in node.peers)
-                                      for area in node.signatures)
+        self._peer_digests = tuple(tuple((node.headers[q], lo + 1) for q in node.peers)
+                                   for lo, _ in node.areas)
         self._segments = node.segments
         nbytes = result.nbytes
         if red.ufunc is None and recv_block is not None and nbytes > SMALL_BYTES:
@@ -560,7 +569,7 @@ class ShmPlan(_PlanBase):
             if self._average:
                 reduce.append(partial(np.divide, self._result, self._nranks, self._result))
             reduce = partial(_call_each, tuple(reduce)) if len(reduce) > 1 else reduce[0]
-        return load, self._sign[parity], reduce
+        return load, reduce
 
     def _scalar(self, slots: list[np.ndarray]):
         """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
@@ -668,13 +677,18 @@ class ShmPlan(_PlanBase):
             return self.recvbuf
         if node.closed:
             raise ValueError("the communicator of this plan has been freed")
-        epoch = self._claimed.popleft() if self._claimed else node.claim()
+        if self._claimed:
+            epoch = self._claimed.popleft()
+        else:
+            epoch = node.epoch = node.epoch + 1
         try:
             if node.finished != epoch - 1:
                 node.turn(epoch, deadline, self._label)
             self._run(node, epoch, timeout, deadline)
         finally:
-            node.finish(epoch)
+            node.finished = epoch
+            if node.waiting:
+                node.finish(epoch)
         return self.recvbuf
 
     __call__ = run
@@ -714,17 +728,26 @@ class ShmPlan(_PlanBase):
             if node.sync is not None:
                 node.sync()
         if step == 0:
-            signatures = node.signatures[epoch & 1]
-            mine = self._signature
-            for theirs in signatures:
-                if theirs != mine:
-                    self._mismatch(signatures)
+            parity = epoch & 1
+            digest = self._digest
+            for header, word in self._peer_digests[parity]:
+                if header[word] != digest:
+                    self._mismatch(node.signatures[parity])
+
+    def _sign(self, node: Node, parity: int) -> None:
+        """Write this plan's signature into the area of ``parity``, unless it holds it already
+        (this plan ran the call two epochs ago)."""
+        if node.written[parity] is not self:
+            lo, hi = node.areas[parity]
+            node.header[lo:hi] = self._signature
+            node.written[parity] = self
 
     def _run_small(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
-        load, sign, reduce = self._programs[parity]
+        load, reduce = self._programs[parity]
         load()
-        sign()
+        if node.written[parity] is not self:
+            self._sign(node, parity)
         # _arrive, written out: this path is what an 8-byte call costs
         if node.sync is not None:
             node.sync()
@@ -737,9 +760,9 @@ class ShmPlan(_PlanBase):
         else:
             if node.sync is not None:
                 node.sync()
-            mine = self._signature
-            for theirs in self._peer_signatures[parity]:
-                if theirs != mine:
+            digest = self._digest
+            for header, word in self._peer_digests[parity]:
+                if header[word] != digest:
                     self._mismatch(node.signatures[parity])
         reduce()
 
@@ -748,7 +771,7 @@ class ShmPlan(_PlanBase):
         load, reduce, pull = self._programs[parity]
         for call in load:
             call()
-        self._sign[parity]()
+        self._sign(node, parity)
         self._arrive(node, epoch, 2 * epoch - 1, timeout, deadline, 0)
         for call in reduce:
             call()
@@ -763,7 +786,7 @@ class ShmPlan(_PlanBase):
                              "arguments of another (check=True on some ranks only, or calls in "
                              "different orders)")
         problems = []
-        for column, name in enumerate(DATA_FIELDS, start=1):
+        for column, name in enumerate(DATA_FIELDS, start=2):
             values: dict = {}
             for rank, fields in enumerate(table):
                 values.setdefault(fields[column], []).append(rank)
