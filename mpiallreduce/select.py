@@ -67,7 +67,12 @@ RULES = (
 #: Measured at 2 ranks (float64 SUM, this 2-core VM under load from other jobs, interleaved
 #: rounds, README "Shared memory"): shm plans took 0.37-0.64 of Open MPI's default Allreduce
 #: at 8 B and 0.2-0.6 from 64 KiB, in place and out of place.
+#: With more ranks than cores (``os.cpu_count()``, the same on every rank of a node) a waiting
+#: rank gives its core away and a small call costs scheduler time slices: at 4 ranks on the 2
+#: cores, 8 B took 2.5x native's time (native yields too, but sooner) and 64 KiB 0.78x, so
+#: there ``auto`` runs shm only from :data:`SHM_OVERSUBSCRIBED_BYTES`.
 SHM_RULE = (2, 8, 0, None)
+SHM_OVERSUBSCRIBED_BYTES = 128 << 10
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
 MODULAR_RING_BYTES = 1 << 16
@@ -110,6 +115,8 @@ def shm_fits(nranks: int, nbytes: int) -> bool:
     if nranks in tables():
         return False
     low, high, least, most = SHM_RULE
+    if nranks > (os.cpu_count() or 1):
+        least = max(least, SHM_OVERSUBSCRIBED_BYTES)
     return low <= nranks <= high and least <= nbytes and (most is None or nbytes < most)
 
 

@@ -310,9 +310,14 @@ def test_the_check_over_shared_memory_reports_a_timeout_on_some_ranks_only():
 
 
 def test_auto_runs_shm_on_one_node(comm):
+    from mpiallreduce import select
+
     one_node = Topology.from_comm(comm).nnodes == 1
     for count in (1, 1000, 100_000):
         x = contribution(comm, count, "float64")
         with mar.plan(x, comm=comm) as plan:
-            assert plan.algorithm == ("shm" if one_node and 2 <= comm.size <= 8 else plan.algorithm)
+            if one_node and select.shm_fits(comm.size, x.nbytes):
+                assert plan.algorithm == "shm"
+            else:
+                assert plan.algorithm != "shm"
             assert_matches_native(comm, x, plan.run(), MPI.SUM)
