@@ -321,3 +321,15 @@ def test_auto_runs_shm_on_one_node(comm):
             else:
                 assert plan.algorithm != "shm"
             assert_matches_native(comm, x, plan.run(), MPI.SUM)
+
+
+def test_a_request_in_flight_and_blocking_calls_keep_call_order(comm):
+    """Epochs are taken in call order in the caller's thread, so a blocking call made while a
+    request runs in the progress thread waits its turn instead of pairing with the wrong call."""
+    x = contribution(comm, 2000, "float64")
+    y = contribution(comm, 2000, "float64", seed=1)
+    for _ in range(3):
+        request = mar.iallreduce(x, comm=comm, algorithm="shm")
+        out = mar.allreduce(y, comm=comm, algorithm="shm")
+        assert_matches_native(comm, x, request.wait(), MPI.SUM)
+        assert_matches_native(comm, y, out, MPI.SUM)
