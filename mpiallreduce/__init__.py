@@ -10,12 +10,14 @@ from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
 from .ops import AVG
 from .reproducible import ReproduciblePlan, dot, norm2, sum
+from .shm import SharedArray, shared_empty, shared_zeros
 from .topology import Topology
 from .tracing import trace
 
 __version__ = "0.1.0"
 
 __all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
-           "Plan", "Request", "ScheduleError", "ShardedSGD", "TopK", "Topology", "__version__",
-           "ReproduciblePlan", "allgather", "allreduce", "alltoall", "bcast", "cast_allreduce", "dot",
-           "iallreduce", "norm2", "plan", "reduce_scatter", "start", "sum", "trace"]
+           "Plan", "Request", "ReproduciblePlan", "ScheduleError", "SharedArray", "ShardedSGD",
+           "TopK", "Topology", "__version__", "allgather", "allreduce", "alltoall", "bcast",
+           "cast_allreduce", "dot", "iallreduce", "norm2", "plan", "reduce_scatter", "shared_empty",
+           "shared_zeros", "start", "sum", "trace"]

@@ -27,6 +27,7 @@ from ._checks import COLLECTIVE_ALGORITHMS, check_comm
 from ._state import state as comm_state
 from .executor import check_timeout, wait_or_fail
 from .ops import DTYPES, OP_NAMES
+from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
 
 #: field names of the signature; the first is the bad-input flag.
 FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
@@ -42,12 +43,14 @@ def bad_signature() -> list[int]:
 class Signature:
     """A signature packed for the check: ``[fields..., -fields...]`` and room for the result."""
 
-    __slots__ = ("fields", "packed", "result")
+    __slots__ = ("fields", "packed", "result", "shm")
 
     def __init__(self, fields: list[int]):
         self.fields = fields
         self.packed = array("q", fields + [-value for value in fields])
         self.result = array("q", bytes(8 * len(self.packed)))
+        # as written into a shared-memory header (mpiallreduce.shm), where the ranks share one
+        self.shm = memoryview(array("q", signature_words(KIND_CHECK, fields)))
 
 
 def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Exception | None,
@@ -55,8 +58,15 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
     """Raise the same exception on every rank if any rank's input was bad or ranks disagree.
 
     With a ``timeout``, ``fail(reason, pending, keep)`` (``CommState.fail``) marks the
-    communicator unusable and raises CollectiveTimeout when it passes.
+    communicator unusable and raises CollectiveTimeout when it passes. Where the ranks share
+    one node's memory (after the first ``shm`` call), the check runs over the shared headers
+    instead of a collective (:meth:`mpiallreduce.shm.Node.agree`).
     """
+    node = checker.Get_attr(CHECK_KEYVAL)
+    if node is not None:
+        if not node.agree(signature, timeout, what, fail or _ignore) or error is not None:
+            disagree(checker, what, signature.fields, error, names)
+        return
     if timeout is None:
         checker.Allreduce(signature.packed, signature.result, MPI.MAX)
     else:
@@ -71,6 +81,10 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
     if signature.result == signature.packed and error is None:
         return
     disagree(checker, what, signature.fields, error, names)
+
+
+def _ignore(*args) -> None:
+    pass
 
 
 def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exception | None,

@@ -13,11 +13,15 @@ from .ops import DTYPES, Reducer, native_deviates, reducer
 from .topology import Topology
 
 #: every name ``algorithm=`` accepts.
-ALGORITHMS: tuple[str, ...] = tuple(algorithms.REGISTRY) + ("native", "auto")
+#: "shm" is the node-local shared-memory transport (:mod:`.shm`), not a schedule.
+ALGORITHMS: tuple[str, ...] = tuple(algorithms.REGISTRY) + ("shm", "native", "auto")
 #: the names each related collective's ``algorithm=`` accepts ("auto" means "native" for now).
 COLLECTIVE_ALGORITHMS: dict[str, tuple[str, ...]] = {
     collective: tuple(registry) + ("native", "auto")
     for collective, registry in algorithms.COLLECTIVES.items()}
+COLLECTIVE_ALGORITHMS["allreduce"] = ALGORITHMS
+#: algorithms that are no schedule: they take no parameters and keep rank order for any op.
+UNSCHEDULED = ("shm", "native", "auto")
 _NO_OP = -3  # op field of collectives that combine nothing
 
 
@@ -93,7 +97,7 @@ def check_algorithm(name, red: Reducer | None, collective: str = "allreduce") ->
     if not isinstance(name, str) or name not in names:
         what = "algorithm" if collective == "allreduce" else f"{collective} algorithm"
         raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(names)}")
-    if name in ("native", "auto") or red is None or red.commutative:
+    if name in UNSCHEDULED or red is None or red.commutative:
         return
     registry = algorithms.COLLECTIVES[collective]
     if registry[name].commutative_only:
@@ -106,7 +110,7 @@ def check_params(name: str, params: dict, collective: str = "allreduce") -> None
     """Raise TypeError for builder parameters the chosen algorithm does not take."""
     if not params:
         return
-    accepted = ([] if name in ("native", "auto") else
+    accepted = ([] if name in UNSCHEDULED else
                 [k for k in algorithms.get(name, collective).params
                  if k not in ("itemsize", "root", "ordered")])
     unknown = sorted(set(params) - set(accepted))

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, select
+from . import algorithms, select, shm
 from ._agree import Signature, agree
 from ._checks import ALGORITHMS, Call
 from ._state import CommState
@@ -85,25 +85,33 @@ def builder_params(name: str, call: Call, collective: str = "allreduce") -> tupl
 
 
 def resolve(call: Call, nranks: int, state: CommState | None = None,
-            deadline: float | None = None) -> str:
+            deadline: float | None = None, what: str = "allreduce") -> str:
     """The algorithm a call runs: its own, or what ``auto`` picks (the same on every rank).
 
     ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
-    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does. Where it asks
-    the cost model (more ranks than were measured) without a topology given, the model gets the
-    communicator's own (``state``; discovered once, collectively, at the same call on every
-    rank), not one node.
+    ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does. Given the
+    communicator's ``state``, ``auto`` picks ``shm`` where :func:`select.shm_fits` and every rank
+    is on one node (the first time, the topology discovery is collective: every rank resolves
+    its first ``auto`` call at the same call, a miss of every cache). A tuning table for the
+    communicator size overrides that rule. Where it asks the cost model (more ranks than were
+    measured) without a topology given, the model gets the communicator's own, not one node.
     """
     name = call.algorithm
     if name != "auto":
         return name
     red, nbytes = call.reducer, call.recv.nbytes
+    if state is not None and select.shm_fits(nranks, nbytes):
+        topology = call.topology
+        if topology is None:
+            topology = state.default_topology(deadline, what)
+        if topology.nnodes == 1:
+            return "shm"
     if nranks > 1 and native_deviates(red.name, call.recv.dtype):
         return "recursive_doubling" if nbytes < select.MODULAR_RING_BYTES else "ring"
     topology = call.topology
     if topology is None and state is not None and nranks > select.MEASURED_RANKS \
             and select.lookup(select.tables(), nranks, nbytes, red.commutative) is None:
-        topology = state.default_topology(deadline)
+        topology = state.default_topology(deadline, what)
     return select.choose(nranks, nbytes, red, topology)
 
 
@@ -122,12 +130,18 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     """
     private = state.private
     nranks, rank = private.Get_size(), private.Get_rank()
-    name = resolve(call, nranks, state, deadline)
+    name = resolve(call, nranks, state, deadline, what)
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,
                           owned=explicit)
     topology = call.topology
+    if name == "shm":  # the node-local shared-memory transport, not a schedule
+        if topology is None and nranks > 1:
+            topology = state.default_topology(deadline, what)
+        return shm.build(call, state, topology=topology, timeout=timeout, deadline=deadline,
+                         plan_id=state.take_slot() if explicit else 0, what=what,
+                         claim=explicit and not persistent)
     if algorithms.get(name).uses_topology and topology is None:
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)

@@ -83,10 +83,11 @@ def default_iterations(size: int) -> tuple[int, int]:
 
 
 #: how an algorithm is called: a plan's run(), the one-shot function with or without the check,
-#: a plan's start().wait(), the one-shot iallreduce(...).wait(), and through the drop-in
-#: ``mar.Comm``: its Allreduce with or without the check, and its Allreduce_init's Start + Wait.
+#: a plan's start().wait(), the one-shot iallreduce(...).wait(), through the drop-in
+#: ``mar.Comm`` (its Allreduce with or without the check, its Allreduce_init's Start + Wait), and
+#: plan-shared: a plan's run() on buffers from ``mar.shared_empty`` (zero copy under ``shm``).
 APIS = ("plan", "call", "call-nocheck", "start", "iallreduce", "comm", "comm-nocheck",
-        "comm-init")
+        "comm-init", "plan-shared")
 #: the label of mpi4py's own ``comm.Allreduce``, timed beside the one-shot calls.
 MPI_CALL = "comm.Allreduce"
 #: the label of MPI's own persistent request (``comm.Allreduce_init``: Start + Wait), timed
@@ -163,11 +164,11 @@ def build_parser(printing: bool = True) -> _Parser:
                              "(mar.allreduce(..., check=False)), start (plan.start().wait()), "
                              "iallreduce (mar.iallreduce(...).wait()), comm and comm-nocheck "
                              "(mar.Comm(comm, algorithm).Allreduce with and without the check), "
-                             "comm-init (mar.Comm's Allreduce_init: Start + Wait); with a mode "
-                             "other than plan, comm.Allreduce itself is timed too (and "
-                             "comm.Allreduce_init's Start + Wait beside start, iallreduce and "
-                             "comm-init), and rows of a mode are named ALGORITHM/MODE "
-                             "(default: plan)")
+                             "comm-init (mar.Comm's Allreduce_init: Start + Wait), plan-shared (a "
+                             "plan on mar.shared_empty buffers); with a mode other than plan, "
+                             "comm.Allreduce itself is timed too (and comm.Allreduce_init's Start "
+                             "+ Wait beside start, iallreduce and comm-init), and rows of a mode "
+                             "are named ALGORITHM/MODE (default: plan)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
                         help="measure every size R times, the algorithms interleaved in each round; "
                              "rows show the median and the spread across rounds, and the closing "
@@ -400,18 +401,25 @@ class _Case:
 
         ``api`` is how it is called (:data:`APIS`), or :data:`MPI_CALL` for ``comm.Allreduce``.
         """
+        if api == "plan-shared":
+            with mar.shared_empty(self.x.shape, self.x.dtype, comm=self.comm) as send, \
+                    mar.shared_empty(self.x.shape, self.x.dtype, comm=self.comm) as recv:
+                send[...] = self.x
+                return self._measure(algorithm, topology, "plan", send, recv)
+        return self._measure(algorithm, topology, api, self.x, self.recv)
+
+    def _measure(self, algorithm: str, topology, api: str, x: np.ndarray, recv: np.ndarray):
         opts, comm = self.opts, self.comm
         if opts.in_place:
-            self.recv[...] = self.x
-        sendbuf = MPI.IN_PLACE if opts.in_place else self.x
+            recv[...] = self.x
+        sendbuf = MPI.IN_PLACE if opts.in_place else x
         op = _op(opts.op)
         kwargs = dict(op=op, comm=comm, algorithm=algorithm, topology=topology)
         try:
-            plan = (mar.plan(sendbuf, self.recv, check=True, **kwargs)
+            plan = (mar.plan(sendbuf, recv, check=True, **kwargs)
                     if api in ("plan", "start") else None)
         except ValueError as exc:
             return str(exc)
-        recv = self.recv
         if api == MPI_CALL:
             red = reducer(op, self.x.dtype)
             run = lambda: comm.Allreduce(sendbuf, recv, red.mpi_op)
@@ -448,14 +456,15 @@ class _Case:
             ok = True
             if opts.validate:
                 if opts.in_place:
-                    self.recv[...] = self.x
+                    recv[...] = self.x
                 else:
-                    self.recv.fill(99)  # so a run that writes nothing cannot pass
+                    recv.fill(99)  # so a run that writes nothing cannot pass
+                comm.Barrier()  # a shared result: no peer writes into it before it is reset
                 with self.untraced():
                     run()
                 if api in (MPI_CALL, MPI_INIT) and reducer(op, self.x.dtype).average:
-                    np.divide(self.recv, comm.size, out=self.recv)
-                ok = bool(np.array_equal(self.recv, self.ref))
+                    np.divide(recv, comm.size, out=recv)
+                ok = bool(np.array_equal(recv, self.ref))
         ok = comm.allreduce(ok, op=MPI.LAND)
         return seconds, ok
 

@@ -62,6 +62,17 @@ RULES = (
     (2, 2, 4 << 20, None, "ring_segmented"),
     (3, 5, 2 << 10, 64 << 10, "knomial"),
 )
+#: communicator sizes (fewest, most) and bytes per rank (least, most; None: no limit) where
+#: ``auto`` runs the shared-memory transport when every rank is on one node (:mod:`.shm`).
+#: Measured at 2 ranks (float64 SUM, this 2-core VM under load from other jobs, interleaved
+#: rounds, README "Shared memory"): shm plans took 0.37-0.64 of Open MPI's default Allreduce
+#: at 8 B and 0.2-0.6 from 64 KiB, in place and out of place.
+#: With more ranks than cores (``os.cpu_count()``, the same on every rank of a node) a waiting
+#: rank gives its core away and a small call costs scheduler time slices: at 4 ranks on the 2
+#: cores, 8 B took 2.5x native's time (native yields too, but sooner) and 64 KiB 0.78x, so
+#: there ``auto`` runs shm only from :data:`SHM_OVERSUBSCRIBED_BYTES`.
+SHM_RULE = (2, 8, 0, None)
+SHM_OVERSUBSCRIBED_BYTES = 128 << 10
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
 MODULAR_RING_BYTES = 1 << 16
@@ -96,6 +107,17 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
         if nbytes >= LARGE_MESSAGE_BYTES:
             return "ring_segmented"
     return "native"
+
+
+def shm_fits(nranks: int, nbytes: int) -> bool:
+    """Would ``auto`` run ``shm`` for this size, if every rank is on one node? Never where a
+    measured tuning table covers ``nranks``: the table (which may name ``shm``) decides."""
+    if nranks in tables():
+        return False
+    low, high, least, most = SHM_RULE
+    if nranks > (os.cpu_count() or 1):
+        least = max(least, SHM_OVERSUBSCRIBED_BYTES)
+    return low <= nranks <= high and least <= nbytes and (most is None or nbytes < most)
 
 
 def model_choice(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
@@ -231,9 +253,9 @@ def _ranges(nranks: int, op_class: str, ranges) -> tuple[tuple[int, int | None, 
         if high is not None and (isinstance(high, bool) or not isinstance(high, int)
                                  or high <= low):
             raise ValueError(f"{where}: max_bytes {high!r} must be an integer above {low} or null")
-        if name != "native" and name not in algorithms.REGISTRY:
+        if name not in ("native", "shm") and name not in algorithms.REGISTRY:
             raise ValueError(f"{where}: unknown algorithm {name!r}")
-        if op_class == "noncommutative" and name != "native" and \
+        if op_class == "noncommutative" and name not in ("native", "shm") and \
                 algorithms.REGISTRY[name].commutative_only:
             raise ValueError(f"{where}: {name!r} reorders operands")
         checked.append((low, high, name))

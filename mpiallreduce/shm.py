@@ -1,0 +1,838 @@
+"""Node-local shared-memory transport: one window per node, per-rank headers, three regimes.
+
+With :mod:`.executor`, the transport layer: the only code that moves data between ranks. The
+ranks of a communicator on one node share memory from ``MPI.Win.Allocate_shared``:
+
+- a *header* per rank (:data:`HEADER_BYTES`, two cache lines of its own): a sequence counter
+  and the call's signature, the latter double-buffered by call parity;
+- *data slots* per rank, double-buffered by call parity: at call ``e`` every rank has seen
+  every peer start call ``e - 1``, so every peer has finished reading call ``e - 2`` and slot
+  ``e % 2`` is free without an acknowledgement round.
+
+Every rank numbers its shm calls on a communicator (its *epoch*); call ``e`` publishes the
+counter ``2e - 1`` once its data is in place ("arrived") and ``2e`` once its part is done.
+Regimes (chosen from the agreed count and dtype, never from per-rank state):
+
+- *small* (up to :data:`SMALL_BYTES`): copy into the slot, publish, every rank reduces all p
+  slots itself in rank order (identical bits everywhere, non-commutative ops exact);
+- *large*: copy in, each rank reduces its block (``partition.block``) across all slots in rank
+  order, publishes, and copies the other blocks out;
+- *shared arrays* (:func:`shared_empty`): inputs are read straight from the peers' arrays,
+  and a result that is a shared array is written straight into every rank's array.
+
+Every wait checks the peers' signatures first, so ranks that run different calls (count,
+dtype, op, plan, shared-array placement) raise the same ValueError without a message.
+
+Memory ordering. A rank writes its data and signature, then its counter; a peer reads the
+counter, then the data. x86-64 keeps stores in order with stores and loads with loads (TSO),
+and each step here is a separate C call from Python (a compiler barrier), so no fence is
+needed there. On other CPUs ``Win.Sync`` (a full memory barrier in Open MPI and MPICH) runs
+between data and counter on both sides (:data:`FENCE`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import platform
+import threading
+import time
+import weakref
+from functools import partial
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import CollectiveTimeout
+from .executor import ABANDONED, _PlanBase, flat, poll, wait_or_fail
+from .ops import DTYPES
+from .partition import block
+
+#: bytes of each rank's header: counter, then two signatures (call parity), padded to two
+#: 64-byte lines so that a peer's adjacent-line prefetch never pulls in another rank's header.
+HEADER_BYTES = 256
+#: int64 words of a signature area (one per call parity): its kind, a digest of the whole, then
+#: the fields (a peer compares the digest word alone on the hot path). A data
+#: call writes count, dtype, op, plan, send block, send offset, recv block, recv offset; the
+#: argument check (``check=True``) writes the ten fields of :mod:`._agree`.
+SIGNATURE_WORDS = 14  # kind, digest, up to 12 fields; two areas fit the header
+KIND_DATA, KIND_CHECK = 1, 2
+DATA_FIELDS = ("count", "dtype", "op", "plan", "shared sendbuf", "sendbuf offset",
+               "shared recvbuf", "recvbuf offset")
+#: most bytes per rank of the small regime (every rank reduces every slot).
+SMALL_BYTES = 32 << 10
+#: smallest data window per rank (two parity slots); windows grow to the next power of two.
+MIN_WINDOW = 64 << 10
+#: counter reads a wait makes back to back before it yields the core between reads.
+SPIN_READS = 200
+#: seconds a wait yields (``sched_yield``) between reads before it sleeps between them.
+YIELD_SECONDS = 10e-3
+#: alignment of slot regions (a cache line).
+ALIGN = 64
+#: CPUs whose ordering (TSO) makes the counter protocol safe without a fence.
+TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+#: whether a ``Win.Sync`` fence runs between data and counter.
+FENCE = platform.machine().lower() not in TSO_MACHINES
+
+
+def signature_words(kind: int, fields) -> list[int]:
+    """A signature area's words: kind, digest, fields, zero padding. The digest is Python's
+    hash of a tuple of ints: the same in every process (only str/bytes hashes are salted)."""
+    fields = [int(field) for field in fields]
+    digest = hash((kind, *fields)) & ((1 << 62) - 1)
+    return [kind, digest, *fields] + [0] * (SIGNATURE_WORDS - 2 - len(fields))
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class Node:
+    """The shared-memory state of one communicator's node: headers, data windows, epoch.
+
+    Made on first use (collective, at a point every rank reaches alike) and attached to the
+    private communicator, so it is freed with it (see :func:`node_of`).
+    """
+
+    def __init__(self, private: MPI.Intracomm, state):
+        self.state = state
+        self.comm = private.Split_type(MPI.COMM_TYPE_SHARED, key=private.Get_rank())
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.closed = False
+        self.epoch = 0  # the last epoch claimed (in call order, in the caller's thread)
+        self.finished = 0  # the last epoch run to its end on this rank
+        self.turns = threading.Condition()
+        self.waiting = 0
+        self.capacity = 0  # bytes per rank of the current data window
+        self.segments: list = []  # each rank's segment of the current data window
+        self.windows: list[MPI.Win] = []
+        self.blocks = 0  # shared arrays made so far (their ids agree: creation is collective)
+        header = self._allocate(HEADER_BYTES)
+        self.headers = [memoryview(header.Shared_query(q)[0]).cast("B").cast("q")
+                        for q in range(self.size)]
+        self.header = self.headers[self.rank]
+        self.header[:] = memoryview(bytes(HEADER_BYTES)).cast("q")
+        self.comm.Barrier()  # every header is zero before anyone reads one
+        self.peers = tuple(q for q in range(self.size) if q != self.rank)
+        self.peer_headers = tuple(self.headers[q] for q in self.peers)
+        self.sync = header.Sync if FENCE else None
+        self.areas = tuple((1 + parity * SIGNATURE_WORDS, 1 + (parity + 1) * SIGNATURE_WORDS)
+                           for parity in (0, 1))
+        self.signatures = tuple(tuple(h[lo:hi] for h in self.headers) for lo, hi in self.areas)
+        self.written: list = [None, None]  # the plan whose signature each area holds
+
+    # -- order: epochs are claimed in call order and run one after the other -----------------
+
+    def claim(self) -> int:
+        """Take the next epoch (in the caller's thread, so in call order on every rank)."""
+        self.epoch += 1
+        return self.epoch
+
+    def turn(self, epoch: int, deadline: float | None, what: str) -> None:
+        """Wait until every earlier epoch has run here (one started in a progress thread)."""
+        if self.finished == epoch - 1:
+            return
+        with self.turns:
+            self.waiting += 1
+            try:
+                while self.finished != epoch - 1:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise CollectiveTimeout(f"{what} on rank {self.rank}: an earlier "
+                                                f"request on this communicator did not finish "
+                                                f"in time")
+                    self.turns.wait(0.01)
+            finally:
+                self.waiting -= 1
+
+    def finish(self, epoch: int) -> None:
+        self.finished = epoch
+        if self.waiting:
+            with self.turns:
+                self.turns.notify_all()
+
+    # -- the counters ---------------------------------------------------------------------------
+
+    def publish(self, value: int) -> None:
+        """Make this rank's data and signature visible, then its counter ``value``."""
+        if self.sync is not None:
+            self.sync()
+        self.header[0] = value
+
+    def wait(self, target: int, deadline: float | None) -> list[int] | None:
+        """Wait until every peer's counter reaches ``target``; return the ranks missing at
+        ``deadline`` (None once all arrived). Spins, then yields the core, then sleeps."""
+        reads = 0
+        started = None
+        pause = 5e-5
+        for peer in self.peer_headers:
+            while peer[0] < target:
+                reads += 1
+                if reads < SPIN_READS:
+                    continue
+                now = time.monotonic()
+                if started is None:
+                    started = now
+                if deadline is not None and now > deadline:
+                    return [q for q, h in zip(self.peers, self.peer_headers) if h[0] < target]
+                if now - started < YIELD_SECONDS:
+                    os.sched_yield()
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+        if self.sync is not None:
+            self.sync()
+        return None
+
+    # -- the argument check ----------------------------------------------------------------------
+
+    def agree(self, signature, timeout: float | None, what: str, on_timeout) -> bool:
+        """The argument check over the headers: True if every rank wrote ``signature``.
+
+        One epoch like a small call, with no data: the fields of :mod:`._agree` in this
+        rank's header, the counter, a read of every header. False (only ever on every rank
+        alike) sends the caller to the exchange of :func:`._agree.disagree`; a peer that runs
+        a data call here instead (``check=False`` on some ranks only) raises ValueError.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        epoch = self.claim()
+        try:
+            self.turn(epoch, deadline, what)
+            parity = epoch & 1
+            lo, hi = self.areas[parity]
+            self.header[lo:hi] = signature.shm
+            self.written[parity] = None
+            self.publish(2 * epoch)
+            missing = self.wait(2 * epoch - 1, deadline)
+            if missing is not None:
+                reason = (f"{what} on rank {self.rank}: the argument check did not complete "
+                          f"within {timeout:g} s; no answer from rank(s) "
+                          f"{', '.join(map(str, missing))} (a rank has not made this call, or "
+                          f"runs calls in a different order, or passed check=False)")
+                on_timeout(reason, [], (signature,))
+                raise CollectiveTimeout(reason)
+            mine = signature.shm
+            same = True
+            for theirs in self.signatures[parity]:
+                if theirs != mine:
+                    same = False
+                    if theirs[0] != KIND_CHECK:
+                        raise ValueError(
+                            f"{what}: some ranks check the arguments (check=True) where others "
+                            f"run without the check; pass the same check on every rank")
+            return same
+        finally:
+            self.finish(epoch)
+
+    def _allocate(self, nbytes: int) -> MPI.Win:
+        window = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
+        if FENCE:
+            window.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
+        self.windows.append(window)
+        return window
+
+    def meet(self, deadline: float | None, what: str) -> None:
+        """Let every rank arrive before a blocking collective, within ``deadline``."""
+        if deadline is None:
+            return
+        wait_or_fail([self.comm.Ibarrier()], deadline, self.state.fail, lambda: (
+            f"{what} on rank {self.comm.Get_rank()}: setting up shared memory did not complete "
+            f"in time; some rank has not made this call"))
+
+    def reserve(self, nbytes: int, deadline: float | None, what: str) -> None:
+        """Grow the data window to two slots of ``nbytes`` per rank (collective when it grows).
+
+        Called with the agreed count of a call: every rank holds the same capacity after the
+        same calls, so every rank grows at the same call. Windows are never freed before the
+        communicator (plans bound to them may live on), and grow to powers of two.
+        """
+        need = 2 * _round(nbytes)
+        if need <= self.capacity:
+            return
+        capacity = max(MIN_WINDOW, 1 << (need - 1).bit_length())
+        self.meet(deadline, what)
+        window = self._allocate(capacity)
+        self.capacity = capacity
+        self.segments = [window.Shared_query(q)[0] for q in range(self.size)]
+
+    def new_block(self, nbytes: int) -> SharedBlock:
+        """Allocate a shared array's memory on every rank of the node (collective)."""
+        window = self._allocate(max(_round(nbytes), ALIGN))
+        self.windows.remove(window)  # the block owns it
+        self.blocks += 1
+        return SharedBlock(self, window, self.blocks)
+
+    def close(self) -> None:
+        """Free the windows when every rank of the node frees the communicator.
+
+        ``Win.Free`` is collective and blocks, so the ranks first meet in an ``Ibarrier``
+        polled for :data:`CLOSE_SECONDS`: after a timeout some ranks hold a broken state and the
+        rank that was missing a healthy one, yet all of them free the communicator. A rank
+        that does not come keeps the windows mapped (never a hang, never a crash).
+        """
+        if self.closed:
+            return
+        self.closed = True
+        if MPI.Is_finalized():
+            return
+        request = self.comm.Ibarrier()
+        if not poll([request], time.monotonic() + CLOSE_SECONDS):
+            ABANDONED.append((self, request))  # kept mapped, never freed: a peer may still read
+            return
+        for window in self.windows:
+            if FENCE:
+                window.Unlock_all()
+            window.Free()
+        self.windows.clear()
+        self.comm.Free()
+
+
+#: seconds a rank freeing a communicator waits for the node's other ranks to free it too.
+CLOSE_SECONDS = 10.0
+
+
+def _delete_node(comm, keyval, node) -> None:
+    node.close()
+
+
+KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_node)
+#: the node of a communicator whose ranks all share it, on its checker duplicate: the argument
+#: check then runs over the headers (:meth:`Node.agree`).
+CHECK_KEYVAL = MPI.Comm.Create_keyval()
+
+
+def node_of(state, deadline: float | None = None, what: str = "allreduce") -> Node:
+    """Return the node state of ``state``'s communicator, made on first use (collective)."""
+    private = state.private
+    found = private.Get_attr(KEYVAL)
+    if found is None:
+        if deadline is not None:
+            wait_or_fail([private.Ibarrier()], deadline, state.fail, lambda: (
+                f"{what} on rank {private.Get_rank()}: setting up shared memory did not "
+                f"complete in time; some rank has not made this call"))
+        found = Node(private, state)
+        private.Set_attr(KEYVAL, found)
+        if found.size == private.Get_size():
+            state.checker.Set_attr(CHECK_KEYVAL, found)
+    return found
+
+
+# -- shared arrays ------------------------------------------------------------------------------
+
+
+class SharedBlock:
+    """The memory of one shared array on every rank of a node, and the plans that use it."""
+
+    def __init__(self, node: Node, window: MPI.Win, ident: int):
+        self.node = node
+        self.window = window
+        self.ident = ident
+        self.segments = [window.Shared_query(q)[0] for q in range(node.size)]
+        self.base = np.frombuffer(self.segments[node.rank], dtype=np.uint8)
+        self.users: weakref.WeakSet = weakref.WeakSet()
+        self.freed = False
+
+    def offset(self, array: np.ndarray) -> int | None:
+        """Byte offset of ``array`` in this rank's segment, or None if it lies elsewhere."""
+        if self.freed or self.node.closed:
+            return None
+        start = array.__array_interface__["data"][0] - self.base.ctypes.data
+        if start >= 0 and start + array.nbytes <= self.base.nbytes:
+            return start
+        return None
+
+    def peers(self, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """The same range of every rank's array, flat, in rank order."""
+        return [np.frombuffer(segment, dtype=dtype, count=count, offset=offset)
+                for segment in self.segments]
+
+    def free(self) -> None:
+        """Release the memory on every rank (collective); an error while a plan uses it."""
+        if self.freed:
+            return
+        node = self.node
+        with contextlib.suppress(Exception):
+            node.state.calls.clear()  # cached one-shot plans may hold it: drop them (local)
+        busy = sum(1 for plan in self.users if not plan._freed)
+        if node.closed:
+            self.freed = True
+            return
+        # the same error on every rank, or none: a rank that raised would leave the others in
+        # the collective Win.Free
+        busiest = node.comm.allreduce(busy, op=MPI.MAX)
+        if busiest:
+            raise ValueError(f"this shared array is still used by {busiest} plan(s) on some rank; "
+                             f"free those plans on every rank first")
+        self.freed = True
+        self.base = None
+        if FENCE:
+            self.window.Unlock_all()
+        self.window.Free()
+
+
+class SharedArray(np.ndarray):
+    """A NumPy array in a node's shared window (:func:`shared_empty`); ``free()`` releases it.
+
+    ``mpiallreduce`` reads peers' shared arrays directly: no copy in or out. Free it (or leave
+    the ``with`` block) on every rank together, once no plan uses it; do not touch it (or views
+    of it) afterwards.
+    """
+
+    _block: SharedBlock | None = None
+
+    def __array_finalize__(self, obj):
+        self._block = getattr(obj, "_block", None)
+
+    def free(self) -> None:
+        """Release the array's memory on every rank (collective)."""
+        if self._block is not None:
+            self._block.free()
+
+    @property
+    def freed(self) -> bool:
+        return self._block is None or self._block.freed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+def shared_empty(shape, dtype=float, comm=None, order: str = "C") -> SharedArray:
+    """Return an uninitialised array in the node's shared memory (collective on ``comm``).
+
+    Pass it to :func:`mpiallreduce.allreduce` (``algorithm="shm"`` or ``auto``) on a one-node
+    communicator and the ranks reduce straight from each other's arrays. Same shape and dtype
+    on every rank. Free it with ``free()`` or a ``with`` block, or with the communicator.
+    """
+    from ._checks import check_comm
+    from ._state import state as comm_state
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    check_comm(comm)
+    dtype = np.dtype(dtype)
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype {dtype} has no predefined MPI datatype here; use one of "
+                        f"{', '.join(d.name for d in DTYPES)}")
+    if order not in ("C", "F"):
+        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+    shape = tuple(int(n) for n in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    state = comm_state(comm, None, "shared_empty")
+    state.refuse_if_broken("shared_empty")
+    node = node_of(state, None, "shared_empty")
+    count = int(np.prod(shape, dtype=np.int64))
+    memory = node.new_block(count * dtype.itemsize)
+    array = np.ndarray(shape, dtype=dtype, buffer=memory.segments[node.rank],
+                       order=order).view(SharedArray)
+    array._block = memory
+    return array
+
+
+def shared_zeros(shape, dtype=float, comm=None, order: str = "C") -> SharedArray:
+    """As :func:`shared_empty`, filled with zeros."""
+    array = shared_empty(shape, dtype, comm, order)
+    array.fill(0)
+    return array
+
+
+def _placement(array: np.ndarray | None, node: Node) -> SharedBlock | None:
+    memory = getattr(array, "_block", None)
+    if memory is None or memory.node is not node:
+        return None
+    return memory
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+
+
+class ShmPlan(_PlanBase):
+    """An allreduce over the node's shared memory, bound once; ``run()`` repeats it.
+
+    Looks like :class:`~mpiallreduce.executor.Plan` to everything above it. Build with
+    :func:`build` (through ``mpiallreduce.plan``/``allreduce`` with ``algorithm="shm"``).
+    """
+
+    algorithm = "shm"
+
+    def __init__(self, node: Node | None, call, *, plan_id: int, timeout, state):
+        super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
+                         state=state)
+        self._node = node
+        self._label = "shm allreduce"
+        red = call.reducer
+        result = self._result
+        count, dtype = result.size, result.dtype
+        source = flat(call.send) if call.send is not None else result
+        self._scratch = np.empty(0, dtype=dtype)
+        self._claimed: collections.deque = collections.deque()
+        self._local = ()
+        for array in (call.send, call.recv):  # a shared array may not be freed under a plan
+            memory = getattr(array, "_block", None)
+            if memory is not None:
+                if memory.freed:
+                    raise ValueError("a buffer of this call is a shared array that has been freed")
+                memory.users.add(self)
+        if call.send is not None and count:
+            self._local = (partial(np.copyto, result, source),)
+        if node is None or count == 0:
+            if self._average and count:
+                self._local += (partial(np.divide, result, self._nranks, result),)
+            return
+        p, rank = node.size, node.rank
+        send_block = _placement(call.send, node) if call.send is not None else None
+        recv_block = _placement(call.recv, node)
+        send_at = send_block.offset(source) if send_block is not None else None
+        recv_at = recv_block.offset(result) if recv_block is not None else None
+        if send_at is None:
+            send_block = None
+        if recv_at is None:
+            recv_block = None
+        signature = [count, DTYPES.index(dtype), red.index, plan_id,
+                     -1 if send_block is None else send_block.ident,
+                     -1 if send_at is None else send_at,
+                     -1 if recv_block is None else recv_block.ident,
+                     -1 if recv_at is None else recv_at]
+        signature = signature_words(KIND_DATA, signature)
+        self._digest = signature[1]
+        self._signature = memoryview(np.array(signature, dtype=np.int64)).cast("B").cast("q")
+        self._peer_digests = tuple(tuple((node.headers[q], lo + 1) for q in node.peers)
+                                   for lo, _ in node.areas)
+        self._segments = node.segments
+        nbytes = result.nbytes
+        if red.ufunc is None and recv_block is not None and nbytes > SMALL_BYTES:
+            lo, hi = block(count, p, rank)
+            self._scratch = np.empty(hi - lo, dtype=dtype)
+        in_place_input = call.send is None
+        input_block, input_at = ((recv_block, recv_at) if in_place_input
+                                 else (send_block, send_at))
+        if nbytes <= SMALL_BYTES:
+            self._run = self._run_small
+            self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
+        else:
+            self._run = self._run_large
+            self._programs = tuple(
+                self._bind_large(parity, source, input_block, input_at, recv_block, recv_at,
+                                 in_place_input)
+                for parity in (0, 1))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of private scratch this plan holds (the windows belong to the communicator)."""
+        return self._scratch.nbytes
+
+    # -- binding ----------------------------------------------------------------------------
+
+    def _slots(self, parity: int) -> list[np.ndarray]:
+        """Every rank's slot of this parity, flat views of the data window."""
+        result = self._result
+        half = self._node.capacity // 2
+        return [np.frombuffer(segment, dtype=result.dtype, count=result.size,
+                              offset=parity * half)
+                for segment in self._segments]
+
+    def _reduce_into(self, out: np.ndarray, operands: list[np.ndarray]) -> list:
+        """Calls that set ``out = operands[0] ∘ operands[1] ∘ …`` (rank order kept).
+
+        ``out`` may be one of the operands only if it is the first (ufunc ops) .
+        """
+        red = self.reducer
+        if red.ufunc is not None:
+            bind = red._into
+            calls = [bind(operands[0], operands[1], out)]
+            calls += [bind(out, operand, out) for operand in operands[2:]]
+            return calls
+        # Reduce_local(a, b) sets b = a ∘ b: fold from the right, a copy of the last first
+        reduce_local = red.mpi_op.Reduce_local
+        calls = [partial(np.copyto, out, operands[-1])]
+        calls += [partial(reduce_local, operand, out) for operand in reversed(operands[:-1])]
+        return calls
+
+    def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
+        """(load, sign, reduce) of the small regime for one parity: single calls."""
+        slots = self._slots(parity)
+        rank = self._node.rank
+        own = memoryview(slots[rank]).cast("B")
+        load = partial(own.__setitem__, slice(None), memoryview(source).cast("B"))
+        reduce = self._scalar(slots) or self._reduce_into(self._result, slots)
+        if isinstance(reduce, list):
+            if self._average:
+                reduce.append(partial(np.divide, self._result, self._nranks, self._result))
+            reduce = partial(_call_each, tuple(reduce)) if len(reduce) > 1 else reduce[0]
+        return load, reduce
+
+    def _scalar(self, slots: list[np.ndarray]):
+        """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
+        ufunc, in rank order) through memoryviews, without NumPy's per-call cost; else None."""
+        red, result = self.reducer, self._result
+        if result.size != 1 or result.dtype != np.float64 or red.name not in ("SUM", "AVG",
+                                                                                "PROD"):
+            return None
+        out = memoryview(result).cast("B").cast("d")
+        first, *rest = [memoryview(slot).cast("B").cast("d") for slot in slots]
+        divisor = float(self._nranks) if self._average else None
+        if red.name == "PROD":
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total *= view[0]
+                out[0] = total
+        elif divisor is None and len(rest) == 1:
+            second = rest[0]
+
+            def reduce():
+                out[0] = first[0] + second[0]
+        else:
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total += view[0]
+                out[0] = total if divisor is None else total / divisor
+        return reduce
+
+    def _bind_large(self, parity: int, source: np.ndarray, input_block, input_at, recv_block,
+                    recv_at, in_place_input: bool) -> tuple:
+        """Calls of the large regime for one parity: (load, reduce, store, pull).
+
+        load: copies before "arrived"; reduce: this rank's block across all inputs, into the
+        place peers read it from; pull: the other blocks copied out after "done".
+        """
+        node, result = self._node, self._result
+        rank, p, count, dtype = node.rank, node.size, result.size, result.dtype
+        lo, hi = block(count, p, rank)
+        slots = self._slots(parity)
+        load, reduce, pull = [], [], []
+        if input_block is not None:
+            inputs = input_block.peers(input_at, dtype, count)
+        elif recv_block is not None:
+            # a private input into a shared result: copy it into our own shared result, then
+            # reduce from the peers' results
+            inputs = recv_block.peers(recv_at, dtype, count)
+            load.append(partial(np.copyto, inputs[rank], source))
+        else:
+            inputs = slots
+            load.append(partial(np.copyto, slots[rank], source))
+        mine = [operand[lo:hi] for operand in inputs]
+        if recv_block is not None:
+            # the result is a shared array: write our block into every rank's array
+            outputs = recv_block.peers(recv_at, dtype, count)
+            target = outputs[rank][lo:hi]
+            aliased = input_block is None or (input_block is recv_block and input_at == recv_at)
+            if aliased and self.reducer.ufunc is not None:
+                # our block of our own array first, the others fold into it: any order is
+                # exact enough for the commutative ufunc ops, and one rank computes each block
+                reduce += self._reduce_into(target, [mine[rank]] + mine[:rank] + mine[rank + 1:])
+            elif aliased:
+                # a user op keeps rank order: fold into scratch, not into an operand
+                reduce += self._reduce_into(self._scratch, mine)
+                reduce.append(partial(np.copyto, target, self._scratch))
+            else:
+                reduce += self._reduce_into(target, mine)
+            if self._average:
+                reduce.append(partial(np.divide, target, self._nranks, target))
+            reduce += [partial(np.copyto, outputs[q][lo:hi], target)
+                       for q in range(p) if q != rank]
+        else:
+            target = result[lo:hi]
+            reduce += self._reduce_into(target, mine)
+            if self._average:
+                reduce.append(partial(np.divide, target, self._nranks, target))
+            reduce.append(partial(np.copyto, slots[rank][lo:hi], target))
+            for q in range(p):
+                if q != rank:
+                    start, stop = block(count, p, q)
+                    pull.append(partial(np.copyto, result[start:stop], slots[q][start:stop]))
+        return tuple(load), tuple(reduce), tuple(pull)
+
+    # -- running --------------------------------------------------------------------------------
+
+    def run(self, timeout: float | None = None) -> np.ndarray:
+        """Run the allreduce once and return the result buffer.
+
+        Args:
+            timeout: seconds to wait for the peers (default: the plan's). When they pass, raise
+                :class:`CollectiveTimeout` naming the missing ranks; the plan and its
+                communicator are unusable afterwards.
+        """
+        state = self._state
+        if timeout is None and self.timeout is None and not self._freed and not self._broken \
+                and not state.broken:
+            deadline = None
+        else:
+            timeout, deadline = self._start(timeout)
+        node = self._node
+        if node is None:
+            for call in self._local:
+                call()
+            return self.recvbuf
+        if node.closed:
+            raise ValueError("the communicator of this plan has been freed")
+        if self._claimed:
+            epoch = self._claimed.popleft()
+        else:
+            epoch = node.epoch = node.epoch + 1
+        try:
+            if node.finished != epoch - 1:
+                node.turn(epoch, deadline, self._label)
+            self._run(node, epoch, timeout, deadline)
+        finally:
+            node.finished = epoch
+            if node.waiting:
+                node.finish(epoch)
+        return self.recvbuf
+
+    __call__ = run
+
+    def claim(self) -> None:
+        """Take this plan's next epoch now, in the caller's thread, for a run that happens later
+        in another thread (``start``, ``iallreduce``): runs then keep call order."""
+        if self._node is not None:
+            self._claimed.append(self._node.claim())
+
+    def start(self, timeout: float | None = None):
+        """Start a run without waiting for it (see :meth:`Plan.start`); its epoch is taken now."""
+        self.claim()
+        try:
+            return super().start(timeout)
+        except BaseException:
+            if self._node is not None:  # never queued: give the epoch back
+                self._claimed.pop()
+                self._node.epoch -= 1
+            raise
+
+    def _arrive(self, node: Node, epoch: int, value: int, timeout, deadline, step: int) -> None:
+        """Publish ``value``, wait until every peer published ``2 * epoch - 1 + step``, and
+        (step 0) compare the signatures."""
+        node.publish(value)
+        target = 2 * epoch - 1 + step
+        for peer in node.peer_headers:
+            if peer[0] < target:
+                missing = node.wait(target, deadline)
+                if missing is not None:
+                    self.fail(f"{self._label} on rank {node.rank}: no answer from rank(s) "
+                               f"{', '.join(map(str, missing))} in step {step} within "
+                               f"{timeout:g} s (a rank did not make this call, or ranks run "
+                               f"plans or calls on this communicator in different orders)")
+                break
+        else:
+            if node.sync is not None:
+                node.sync()
+        if step == 0:
+            parity = epoch & 1
+            digest = self._digest
+            for header, word in self._peer_digests[parity]:
+                if header[word] != digest:
+                    self._mismatch(node.signatures[parity])
+
+    def _sign(self, node: Node, parity: int) -> None:
+        """Write this plan's signature into the area of ``parity``, unless it holds it already
+        (this plan ran the call two epochs ago)."""
+        if node.written[parity] is not self:
+            lo, hi = node.areas[parity]
+            node.header[lo:hi] = self._signature
+            node.written[parity] = self
+
+    def _run_small(self, node: Node, epoch: int, timeout, deadline) -> None:
+        parity = epoch & 1
+        load, reduce = self._programs[parity]
+        load()
+        if node.written[parity] is not self:
+            self._sign(node, parity)
+        # _arrive, written out: this path is what an 8-byte call costs
+        if node.sync is not None:
+            node.sync()
+        node.header[0] = 2 * epoch
+        target = 2 * epoch - 1
+        for peer in node.peer_headers:
+            if peer[0] < target:
+                self._arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
+                break
+        else:
+            if node.sync is not None:
+                node.sync()
+            digest = self._digest
+            for header, word in self._peer_digests[parity]:
+                if header[word] != digest:
+                    self._mismatch(node.signatures[parity])
+        reduce()
+
+    def _run_large(self, node: Node, epoch: int, timeout, deadline) -> None:
+        parity = epoch & 1
+        load, reduce, pull = self._programs[parity]
+        for call in load:
+            call()
+        self._sign(node, parity)
+        self._arrive(node, epoch, 2 * epoch - 1, timeout, deadline, 0)
+        for call in reduce:
+            call()
+        self._arrive(node, epoch, 2 * epoch, timeout, deadline, 1)
+        for call in pull:
+            call()
+
+    def _mismatch(self, signatures) -> None:
+        table = [list(theirs) for theirs in signatures]
+        if any(fields[0] != KIND_DATA for fields in table):
+            raise ValueError("shm allreduce: some ranks run this call while others check the "
+                             "arguments of another (check=True on some ranks only, or calls in "
+                             "different orders)")
+        problems = []
+        for column, name in enumerate(DATA_FIELDS, start=2):
+            values: dict = {}
+            for rank, fields in enumerate(table):
+                values.setdefault(fields[column], []).append(rank)
+            if len(values) > 1:
+                problems.append(f"{name} differs: " + "; ".join(
+                    f"{_describe(name, value)} on rank{'s' if len(ranks) > 1 else ''} "
+                    f"{', '.join(map(str, ranks))}" for value, ranks in values.items()))
+        raise ValueError("shm allreduce: ranks run different calls (arguments, or plans and "
+                         "calls in different orders): " + "; ".join(problems))
+
+
+def _call_each(calls: tuple) -> None:
+    for call in calls:
+        call()
+
+
+def _describe(name: str, value: int) -> str:
+    if name == "dtype" and 0 <= value < len(DTYPES):
+        return DTYPES[value].name
+    if name == "op":
+        from .ops import OP_NAMES
+        return {-1: "a commutative user op", -2: "a non-commutative user op"}.get(
+            value, OP_NAMES[value] if 0 <= value < len(OP_NAMES) else str(value))
+    if name == "plan":
+        return "a one-shot call" if value == 0 else f"plan #{value}"
+    if name.startswith("shared"):
+        return "a private array" if value == -1 else f"shared array #{value}"
+    return str(value)
+
+
+def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
+          claim: bool = False) -> ShmPlan:
+    """Bind an shm plan for ``call`` on a one-node communicator.
+
+    Raises ValueError (on every rank alike: the topology is agreed) when the communicator spans
+    several nodes. The window is made or grown here, from the call's agreed count and dtype.
+    ``claim``: take the run's epoch now (its run happens later, in another thread).
+    """
+    private = state.private
+    nranks = private.Get_size()
+    if nranks == 1:
+        return ShmPlan(None, call, plan_id=plan_id, timeout=timeout, state=state)
+    if topology is not None and topology.nnodes > 1:
+        raise ValueError(f"algorithm 'shm' needs every rank on one node, but the communicator "
+                         f"spans {topology.nnodes} nodes ({topology!r}); use 'hierarchical' or "
+                         f"'cascade' across nodes")
+    if call.recv.size == 0:
+        return ShmPlan(None, call, plan_id=plan_id, timeout=timeout, state=state)
+    node = node_of(state, deadline, what)
+    if node.size != nranks:
+        raise ValueError(f"algorithm 'shm' needs every rank on one node, but only {node.size} "
+                         f"of {nranks} ranks share this one; use 'hierarchical' or 'cascade'")
+    node.reserve(call.recv.nbytes, deadline, what)
+    plan = ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state)
+    if claim:
+        plan.claim()  # a run in another thread (iallreduce) keeps its place in call order
+    return plan

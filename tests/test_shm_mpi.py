@@ -1,0 +1,335 @@
+"""The shared-memory transport (algorithm "shm"): every regime against comm.Allreduce and NumPy,
+shared arrays and their lifetime, mismatches and misordered plans, timeouts, multi-node refusal."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import (
+    affine_compose,
+    affine_maps,
+    assert_identical_across_ranks,
+    assert_matches_native,
+    awkward_counts,
+    contribution,
+)
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import shm
+from mpiallreduce.topology import Topology
+
+pytestmark = pytest.mark.mpi
+
+OPS = ["SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR"]
+DTYPES = ["int8", "uint16", "int32", "uint64", "float32", "float64", "complex128", "bool"]
+#: counts on both sides of the small regime's limit (float64), and one of several windows
+LARGE = [shm.SMALL_BYTES // 8 - 1, shm.SMALL_BYTES // 8 + 1, 3 * shm.SMALL_BYTES // 8 + 5,
+         300_007]
+
+
+def _defined(op: str, dtype: str) -> bool:
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return op in ("LAND", "LOR", "LXOR")
+    if kind in "fc":
+        return op in ("SUM", "PROD") or (kind == "f" and op in ("MIN", "MAX"))
+    return True
+
+
+CASES = [(op, dtype) for op in OPS for dtype in DTYPES if _defined(op, dtype)]
+
+
+def _counts(comm) -> list[int]:
+    return sorted(set(awkward_counts(comm.size) + LARGE))
+
+
+@pytest.mark.parametrize("op_name, dtype", CASES)
+def test_every_op_and_dtype_matches_native(comm, op_name, dtype):
+    op = getattr(MPI, op_name)
+    for count in (1, comm.size + 1, 97, 5003):
+        x = contribution(comm, count, dtype, op_name)
+        out = mar.allreduce(x, op=op, comm=comm, algorithm="shm")
+        assert_matches_native(comm, x, out, op)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("kind", ["one_shot", "plan"])
+def test_awkward_counts_repeated_with_changing_inputs(comm, in_place, kind):
+    """Stale slots (of the previous call, or two calls back) would show as wrong results."""
+    for count in _counts(comm):
+        buf = np.empty(count)
+        out = np.empty(count)
+        plan = None
+        if kind == "plan":
+            plan = (mar.plan(MPI.IN_PLACE, buf, comm=comm, algorithm="shm") if in_place
+                    else mar.plan(buf, out, comm=comm, algorithm="shm"))
+        for round_ in range(5):
+            x = contribution(comm, count, "float64", seed=round_)
+            buf[...] = x
+            if plan is not None:
+                plan.run()
+            elif in_place:
+                mar.allreduce(MPI.IN_PLACE, buf, comm=comm, algorithm="shm")
+            else:
+                mar.allreduce(buf, out, comm=comm, algorithm="shm")
+            assert_matches_native(comm, x, buf if in_place else out, MPI.SUM)
+        if plan is not None:
+            plan.free()
+
+
+def test_fortran_order_and_several_dimensions(comm):
+    for shape in [(3, 5), (70, 40), (200, 61)]:
+        x = np.asfortranarray(contribution(comm, int(np.prod(shape)), "float64").reshape(shape))
+        out = np.asfortranarray(np.empty(shape))
+        mar.allreduce(x, out, comm=comm, algorithm="shm")
+        assert out.flags.f_contiguous
+        memory = x.reshape(-1, order="F")  # compared in memory order, as MPI pairs elements
+        assert_matches_native(comm, memory, out.reshape(-1, order="F"), MPI.SUM)
+        y = x.copy(order="F")
+        mar.allreduce(MPI.IN_PLACE, y, comm=comm, algorithm="shm")
+        assert_matches_native(comm, memory, y.reshape(-1, order="F"), MPI.SUM)
+
+
+def test_non_commutative_user_op_keeps_rank_order(comm):
+    op = MPI.Op.Create(affine_compose, commute=False)
+    try:
+        for count in (1, comm.size + 1, 1000, 5000):  # both regimes (8-byte elements)
+            for round_ in range(3):
+                x = affine_maps(comm, count, seed=round_)
+                every = comm.allgather(x)
+                expect = every[-1].copy()
+                for earlier in reversed(every[:-1]):  # x0 ∘ x1 ∘ … ∘ x(p-1)
+                    affine_compose(earlier, expect, None)
+                out = mar.allreduce(x, op=op, comm=comm, algorithm="shm")
+                assert np.array_equal(out, expect), f"rank {comm.rank}, count {count}"
+                y = x.copy()
+                mar.allreduce(MPI.IN_PLACE, y, op=op, comm=comm, algorithm="shm")
+                assert np.array_equal(y, expect)
+    finally:
+        op.Free()
+
+
+def test_average(comm):
+    for count in (1, 100, 5000):
+        x = contribution(comm, count, "float64")
+        out = mar.allreduce(x, op=mar.AVG, comm=comm, algorithm="shm")
+        assert_matches_native(comm, x, out, MPI.SUM, average=True)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16"])
+@pytest.mark.parametrize("op_name", ["SUM", "PROD"])
+def test_narrow_integers_wrap_as_numpy(comm, dtype, op_name):
+    """The 8/16-bit modular rule: NumPy's wrapping arithmetic, whatever the native op does."""
+    info = np.iinfo(dtype)
+    ufunc = np.add if op_name == "SUM" else np.multiply
+    for count in (1, 7, 1031, 40_000):
+        rng = np.random.default_rng([comm.rank, count])
+        x = rng.integers(info.max // 2, info.max, count, endpoint=True).astype(dtype)
+        every = comm.allgather(x)
+        expect = every[0].copy()
+        for other in every[1:]:
+            ufunc(expect, other, out=expect)
+        out = mar.allreduce(x, op=getattr(MPI, op_name), comm=comm, algorithm="shm")
+        assert np.array_equal(out, expect)
+
+
+@pytest.mark.parametrize("count", [0, 1, 1000, 100_003])
+@pytest.mark.parametrize("where", ["in_place", "both_shared", "send_shared", "recv_shared"])
+def test_shared_arrays(comm, count, where):
+    send_shared = where in ("in_place", "both_shared", "send_shared")
+    recv_shared = where in ("both_shared", "recv_shared")
+    with mar.shared_zeros(count, comm=comm) as a, mar.shared_zeros(count, comm=comm) as b:
+        send = a if send_shared else np.zeros(count)
+        recv = b if recv_shared else np.zeros(count)
+        assert isinstance(a, mar.SharedArray) and a.shape == (count,) and not a.any()
+        for round_ in range(4):
+            x = contribution(comm, count, "float64", seed=round_)
+            send[...] = x
+            if where == "in_place":
+                mar.allreduce(MPI.IN_PLACE, send, comm=comm, algorithm="shm")
+                result = send
+            else:
+                mar.allreduce(send, recv, comm=comm, algorithm="shm")
+                result = recv
+            assert_matches_native(comm, x, result, MPI.SUM)
+        del send, recv
+        comm.Barrier()
+
+
+def test_shared_arrays_with_a_user_op_and_fortran_order(comm):
+    op = MPI.Op.Create(affine_compose, commute=False)
+    try:
+        with mar.shared_empty((60, 70), np.uint64, comm=comm, order="F") as a:
+            assert a.flags.f_contiguous
+            for round_ in range(3):
+                x = affine_maps(comm, a.size, seed=round_).reshape(a.shape, order="F")
+                every = comm.allgather(x)
+                expect = every[-1].copy(order="F")
+                for earlier in reversed(every[:-1]):
+                    affine_compose(earlier.reshape(-1, order="F"), expect.reshape(-1, order="F"),
+                                   None)
+                a[...] = x
+                with mar.plan(MPI.IN_PLACE, a, op=op, comm=comm, algorithm="shm") as plan:
+                    plan.run()
+                assert np.array_equal(a, expect)
+            comm.Barrier()
+    finally:
+        op.Free()
+
+
+def test_freeing_a_shared_array_a_plan_uses_is_an_error(comm):
+    a = mar.shared_zeros(1000, comm=comm)
+    plan = mar.plan(MPI.IN_PLACE, a, comm=comm, algorithm="shm")
+    with pytest.raises(ValueError, match="still used by 1 plan"):
+        a.free()
+    a[...] = comm.rank
+    plan.run()
+    assert (a == sum(range(comm.size))).all()
+    plan.free()
+    mar.allreduce(MPI.IN_PLACE, a, comm=comm, algorithm="shm")  # cached one-shot plans are let go
+    a.free()
+    assert a.freed
+    a.free()  # idempotent
+    with pytest.raises(ValueError, match="freed"):
+        mar.plan(MPI.IN_PLACE, a, comm=comm, algorithm="shm")
+
+
+def test_plans_run_in_different_orders_raise_on_every_rank():
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        x, y = contribution(comm, 10, "float64"), contribution(comm, 10, "float64", seed=1)
+        first = mar.plan(x, comm=comm, algorithm="shm")
+        second = mar.plan(y, comm=comm, algorithm="shm")
+        runs = [first, second] if comm.rank % 2 == 0 else [second, first]
+        if comm.size == 1:
+            for plan in runs:
+                plan.run()
+        else:
+            for plan in runs:
+                with pytest.raises(ValueError, match="plan differs"):
+                    plan.run()
+        # the communicator goes on working
+        for plan, data in ((first, x), (second, y)):
+            assert_matches_native(comm, data, plan.run(), MPI.SUM)
+        first.free()
+        second.free()
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_counts_raise_on_every_rank_without_the_check():
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 10 + comm.rank % 2, "float64")
+    with pytest.raises(ValueError, match=r"count differs: 10 on ranks? 0"):
+        mar.allreduce(x, comm=comm, algorithm="shm", check=False)
+    y = contribution(comm, 10, "float64")
+    assert_matches_native(comm, y, mar.allreduce(y, comm=comm, algorithm="shm", check=False),
+                          MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_missing_rank_times_out_on_every_other_and_the_communicator_is_refused():
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    x = contribution(comm, 100, "float64")
+    mar.allreduce(x, comm=comm, algorithm="shm")  # the window exists: nothing collective left
+    plan = mar.plan(x, comm=comm, algorithm="shm")
+    world.Barrier()
+    message = None
+    if comm.rank != 0:
+        start = time.monotonic()
+        with pytest.raises(mar.CollectiveTimeout) as info:
+            plan.run(timeout=0.5)
+        assert 0.5 <= time.monotonic() - start < 10
+        message = str(info.value)
+        with pytest.raises(ValueError, match="unusable after an earlier timeout"):
+            plan.run()
+        with pytest.raises(ValueError, match="timed out"):
+            mar.allreduce(x, comm=comm, algorithm="shm")
+    messages = world.allgather(message)
+    assert all("no answer from rank(s) 0 in step 0" in m for m in messages[1:]), messages
+    plan.free()
+    comm.Free()
+
+
+def test_a_timeout_not_reached_changes_nothing(comm):
+    for count in (1, 5000):
+        x = contribution(comm, count, "float64")
+        assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="shm", timeout=60),
+                              MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_multi_node_communicator_is_refused():
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 10, "float64")
+    with pytest.raises(ValueError, match="'hierarchical' or 'cascade'"):
+        mar.allreduce(x, comm=comm, algorithm="shm", topology=Topology.simulated(comm, 1))
+
+
+def test_growing_windows_keep_older_plans_working(comm):
+    small = contribution(comm, 100, "float64")
+    plan = mar.plan(small, comm=comm, algorithm="shm")
+    big = contribution(comm, 200_000, "float64")
+    for _ in range(2):
+        assert_matches_native(comm, big, mar.allreduce(big, comm=comm, algorithm="shm"),
+                              MPI.SUM)
+        assert_matches_native(comm, small, plan.run(), MPI.SUM)
+    plan.free()
+
+
+def test_nonblocking_and_comm(comm):
+    x = contribution(comm, 3000, "float64")
+    request = mar.iallreduce(x, comm=comm, algorithm="shm")
+    assert_matches_native(comm, x, request.wait(), MPI.SUM)
+    with mar.plan(x, comm=comm, algorithm="shm") as plan:
+        plan.start()
+        assert_matches_native(comm, x, plan.wait(), MPI.SUM)
+    drop_in = mar.Comm(comm, algorithm="shm")
+    out = np.empty_like(x)
+    drop_in.Allreduce(x, out)
+    assert_matches_native(comm, x, out, MPI.SUM)
+    assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_check_over_shared_memory_reports_a_timeout_on_some_ranks_only():
+    """Once the node's shared memory exists the argument check runs there, where a check with a
+    timeout meets one without: every rank gets the same ValueError instead of a timeout."""
+    comm = MPI.COMM_WORLD.Dup()
+    x = contribution(comm, 10, "float64")
+    mar.allreduce(x, comm=comm, algorithm="shm")
+    with pytest.raises(ValueError, match="timeout differs: no timeout on rank"):
+        mar.allreduce(x, comm=comm, algorithm="native", timeout=5 if comm.rank == 1 else None)
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm), MPI.SUM)
+    comm.Free()
+
+
+def test_auto_runs_shm_on_one_node(comm):
+    from mpiallreduce import select
+
+    one_node = Topology.from_comm(comm).nnodes == 1
+    for count in (1, 1000, 100_000):
+        x = contribution(comm, count, "float64")
+        with mar.plan(x, comm=comm) as plan:
+            if one_node and select.shm_fits(comm.size, x.nbytes):
+                assert plan.algorithm == "shm"
+            else:
+                assert plan.algorithm != "shm"
+            assert_matches_native(comm, x, plan.run(), MPI.SUM)
+
+
+def test_a_request_in_flight_and_blocking_calls_keep_call_order(comm):
+    """Epochs are taken in call order in the caller's thread, so a blocking call made while a
+    request runs in the progress thread waits its turn instead of pairing with the wrong call."""
+    x = contribution(comm, 2000, "float64")
+    y = contribution(comm, 2000, "float64", seed=1)
+    for _ in range(3):
+        request = mar.iallreduce(x, comm=comm, algorithm="shm")
+        out = mar.allreduce(y, comm=comm, algorithm="shm")
+        assert_matches_native(comm, x, request.wait(), MPI.SUM)
+        assert_matches_native(comm, y, out, MPI.SUM)
