@@ -206,6 +206,32 @@ def test_plan_in_place(algorithm):
         p.run()
 
 
+@pytest.mark.parametrize("algorithm", SCHEDULES)
+@pytest.mark.parametrize("how", ["same_arrays", "fresh_arrays", "in_place", "timeout"])
+def test_repeated_calls_see_new_input(algorithm, how):
+    """Repeated one-shot calls go through the call caches (a plan per array pair, a staged
+    plan per shape for fresh arrays of a shape seen before): each must read this call's input
+    and write this call's output, never stale data."""
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 257, "float64")
+    out = np.empty_like(x)
+    for round_ in range(4):
+        new = contribution(comm, 257, "float64", seed=round_)
+        if how == "fresh_arrays":
+            x, out = new.copy(), np.full_like(new, np.nan)
+            result = mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+        elif how == "in_place":
+            out[:] = new
+            result = mar.allreduce(MPI.IN_PLACE, out, comm=comm, algorithm=algorithm)
+        else:
+            x[:] = new
+            timeout = 300.0 if how == "timeout" else None  # only a hang reaches it
+            result = mar.allreduce(x, out, comm=comm, algorithm=algorithm, timeout=timeout)
+        assert result is out
+        _ran(comm, algorithm)
+        assert_matches_native(comm, new, out, MPI.SUM)
+
+
 def test_buffer_protocol_and_dlpack_inputs():
     import array
     comm = MPI.COMM_WORLD
