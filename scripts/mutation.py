@@ -25,7 +25,7 @@ assignment, replaced by ``pass``), ``peer`` (an assignment to ``peer``, ``left``
 mutated.
 
 Sampling: every mutant of every target is enumerated (``--list`` prints them); ``--sample N``
-(default 80) draws N of them, stratified by file in proportion to each file's mutants with at
+(default 60) draws N of them, stratified by file in proportion to each file's mutants with at
 least two per file, uniformly within a file, from ``random.Random(--seed)`` (default 23), so a
 rerun draws the same set. ``--only ID ...`` runs named mutants (ids as ``--list`` prints them).
 Parallelism is 1 (the machine is shared); expect 10-60 s per mutant on 2 loaded cores.
@@ -34,7 +34,7 @@ Run (from the repository root; Open MPI as root needs the usual variables)::
 
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
         PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-    .venv/bin/python scripts/mutation.py --sample 80 --ranks 3 --report mutation-report.txt
+    .venv/bin/python scripts/mutation.py --sample 60 --ranks 3 --report mutation-report.txt
 
 It prints one line per mutant (``KILLED``/``SURVIVED``, by which stage, seconds) and the kill
 fraction per file and overall; survivors are listed with their diff line to be explained or
@@ -50,6 +50,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -360,7 +361,7 @@ def _workdir() -> pathlib.Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sample", type=int, default=80, help="mutants to draw (0: all)")
+    parser.add_argument("--sample", type=int, default=60, help="mutants to draw (0: all)")
     parser.add_argument("--seed", type=int, default=23)
     parser.add_argument("--ranks", type=int, default=3, help="mpirun -n for the MPI stage")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per stage")
@@ -386,6 +387,7 @@ def main(argv=None) -> int:
         chosen = sample(everything, args.sample, args.seed)
     else:
         chosen = everything
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the copy is removed
     workdir = _workdir()
     lines = [f"# mutation run: {len(chosen)} of {len(everything)} mutants, seed {args.seed}, "
              f"MPI stage at -n {args.ranks}, {time.strftime('%Y-%m-%d %H:%M')}"]
