@@ -279,6 +279,7 @@ def sample(mutants: list[Mutant], size: int, seed: int) -> list[Mutant]:
         group = by_file[path]
         want = min(len(group), max(2, round(size * len(group) / total)))
         picked.extend(rng.sample(group, want))
+    rng.shuffle(picked)  # a run cut short by --minutes is still a random subsample
     return picked
 
 
@@ -370,6 +371,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="run these mutant ids only")
     parser.add_argument("--list", action="store_true", help="print every mutant and exit")
     parser.add_argument("--report", help="also write the report to this file")
+    parser.add_argument("--minutes", type=float,
+                        help="start no mutant after this many minutes (the rest are not run)")
     parser.add_argument("--baseline", action="store_true",
                         help="run each stage of the chosen mutants on the unmutated copy first")
     args = parser.parse_args(argv)
@@ -396,7 +399,12 @@ def main(argv=None) -> int:
     try:
         if args.baseline and not baseline(chosen, workdir, args):
             return 1
+        stop = None if args.minutes is None else time.monotonic() + 60 * args.minutes
         for m in chosen:
+            if stop is not None and time.monotonic() > stop:
+                lines.append(f"# stopped after {args.minutes} minutes: {len(results)} of "
+                             f"{len(chosen)} mutants run")
+                break
             verdict, stage, seconds = run_mutant(m, workdir, args)
             results.append((m, verdict))
             line = f"{verdict:9} {stage:18} {seconds:6.1f}s  {m.ident}  | {m.text[:70]}"
@@ -416,7 +424,7 @@ def main(argv=None) -> int:
     for m, v in counted:
         if v == "SURVIVED":
             lines.append(f"# survivor {m.ident}: {m.text}")
-    print("\n".join(lines[len(results) + 1:]))
+    print("\n".join(line for line in lines if line.startswith("#")))
     if args.report:
         pathlib.Path(args.report).write_text("\n".join(lines) + "\n")
     return 0
