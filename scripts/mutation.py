@@ -306,6 +306,20 @@ def _commands(mutant: Mutant, python: str, mpirun: str, ranks: int) -> list[tupl
             ("mpi", pytest_mpi + ["tests/test_allreduce_mpi.py", "-k", MPI_CALL_PATH_K])]
 
 
+def _stage(argv: list[str], workdir: pathlib.Path, env: dict, limit: int) -> int:
+    """Run one stage under ``timeout`` in a session of its own; if this script is stopped,
+    stop the whole stage (``timeout`` passes SIGTERM on to mpirun, which ends its ranks)."""
+    process = subprocess.Popen(["timeout", str(limit), *argv], cwd=workdir, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        return process.wait()
+    except BaseException:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+        raise
+
+
 def run_mutant(mutant: Mutant, workdir: pathlib.Path, args) -> tuple[str, str, float]:
     """Apply ``mutant`` in ``workdir``, run its stages, restore; return (verdict, stage, s)."""
     mutated = apply(mutant)
@@ -318,10 +332,9 @@ def run_mutant(mutant: Mutant, workdir: pathlib.Path, args) -> tuple[str, str, f
     start = time.monotonic()
     try:
         for stage, argv in _commands(mutant, args.python, args.mpirun, args.ranks):
-            done = subprocess.run(["timeout", str(args.timeout), *argv], cwd=workdir, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if done.returncode not in (0, 5):  # 5: no test selected
-                why = "timeout" if done.returncode in (124, 137) else f"rc {done.returncode}"
+            returncode = _stage(argv, workdir, env, args.timeout)
+            if returncode not in (0, 5):  # 5: no test selected
+                why = "timeout" if returncode in (124, 137) else f"rc {returncode}"
                 return "KILLED", f"{stage} ({why})", time.monotonic() - start
         return "SURVIVED", "-", time.monotonic() - start
     finally:
