@@ -331,7 +331,11 @@ def run_mutant(mutant: Mutant, workdir: pathlib.Path, args) -> tuple[str, str, f
     env = {**os.environ, "PYTHONPATH": str(workdir), "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.monotonic()
     try:
-        for stage, argv in _commands(mutant, args.python, args.mpirun, args.ranks):
+        stages = _commands(mutant, args.python, args.mpirun, args.ranks)
+        if args.extra:  # more MPI test files: is a survivor killed outside the fast subset?
+            stages.append(("extra", stages[-1][1][:stages[-1][1].index("--with-mpi") + 3]
+                           + args.extra))
+        for stage, argv in stages:
             returncode = _stage(argv, workdir, env, args.timeout)
             if returncode not in (0, 5):  # 5: no test selected
                 why = "timeout" if returncode in (124, 137) else f"rc {returncode}"
@@ -382,6 +386,8 @@ def main(argv=None) -> int:
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--mpirun", default=str(pathlib.Path(sys.executable).parent / "mpirun"))
     parser.add_argument("--only", nargs="*", help="run these mutant ids only")
+    parser.add_argument("--extra", nargs="*", help="MPI test files (and pytest options) to run "
+                        "after the fast subset, e.g. for survivors")
     parser.add_argument("--list", action="store_true", help="print every mutant and exit")
     parser.add_argument("--report", help="also write the report to this file")
     parser.add_argument("--minutes", type=float,
