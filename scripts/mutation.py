@@ -78,7 +78,7 @@ SERIAL_SCHEDULES = ["tests/test_verify.py", "tests/test_knomial.py", "tests/test
 SERIAL_CALL_PATH = ["tests/test_ops.py", "tests/test_errors.py", "tests/test_select.py"]
 #: the MPI cross-section for modules every algorithm goes through
 MPI_CALL_PATH_K = ("(awkward_counts and world) or plan_in_place or average or user_op "
-                   "or buffer_protocol or repeated_calls or auto_runs or auto_never "
+                   "or buffer_protocol or repeated_calls or auto_runs or auto_never or context "
                    "or (every_op_and_dtype and tree)")
 #: related collectives (algorithms/collectives.py) are tested in their own MPI file
 MPI_COLLECTIVES = "tests/test_collectives_mpi.py"

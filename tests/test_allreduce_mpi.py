@@ -232,6 +232,17 @@ def test_repeated_calls_see_new_input(algorithm, how):
         assert_matches_native(comm, new, out, MPI.SUM)
 
 
+@pytest.mark.parametrize("algorithm", SCHEDULES)
+def test_a_plan_used_as_a_context_is_freed_on_exit(algorithm):
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 100, "int64")
+    with mar.plan(x, comm=comm, algorithm=algorithm) as p:
+        _ran(comm, algorithm)
+        assert_matches_native(comm, x, p.run(), MPI.SUM)
+    with pytest.raises(ValueError, match="freed"):
+        p.run()
+
+
 def test_buffer_protocol_and_dlpack_inputs():
     import array
     comm = MPI.COMM_WORLD
