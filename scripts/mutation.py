@@ -35,10 +35,12 @@ Run (from the repository root; Open MPI as root needs the usual variables)::
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
         PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
     .venv/bin/python scripts/mutation.py --sample 60 --ranks 3 --report mutation-report.txt
+    .venv/bin/python scripts/mutation.py --only ID ... --extra tests/test_timeout_mpi.py
 
-It prints one line per mutant (``KILLED``/``SURVIVED``, by which stage, seconds) and the kill
-fraction per file and overall; survivors are listed with their diff line to be explained or
-killed by a new test.
+A run on this project's 2-core VM, with the survivors explained, is in
+``scripts/mutation-vm.txt``. It prints one line per mutant (``KILLED``/``SURVIVED``, by which
+stage, seconds) and the kill fraction per file and overall; survivors are listed with their
+line, to be explained or killed by a new test.
 """
 
 from __future__ import annotations
