@@ -35,6 +35,20 @@ _LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "PMI_", "HYDRA_", "HYD
                       "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 
+#: the MPI grid's cases (node id -> whether it ran a schedule on more than one rank), filled by
+#: test_allreduce_mpi.py and counted in the terminal summary (issue 23)
+GRID_CASES: dict[str, bool] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Count the MPI grid's cases that ran a schedule (on every rank's log)."""
+    if GRID_CASES:
+        ran = sum(GRID_CASES.values())
+        terminalreporter.write_line(f"grid: {ran} of {len(GRID_CASES)} cases of "
+                                    f"test_allreduce_mpi.py ran a schedule at "
+                                    f"p = {MPI.COMM_WORLD.size}")
+
+
 def launcher_environment() -> dict:
     """This process's environment without what a launcher gave it, plus OPEN_MPI_ENV (which
     MPICH ignores), so a test can start its own mpirun from inside an MPI run."""
@@ -52,9 +66,10 @@ def make_comm(kind: str) -> MPI.Intracomm:
     if kind == "dup":
         return world.Dup()
     if kind == "split":
-        # Two sub-communicators of different sizes (3 and 2 at p = 5), ranks reversed in one.
-        color = world.rank % 2
-        key = -world.rank if color else world.rank
+        # Two sub-communicators of different sizes (3 and 2 at p = 5), ranks reversed in one;
+        # at p = 2 one of both ranks, reversed (two of one rank each would run no schedule).
+        color = world.rank % 2 if world.size > 2 else 0
+        key = -world.rank if color or world.size <= 2 else world.rank
         return world.Split(color, key)
     raise ValueError(kind)
 
@@ -95,44 +110,74 @@ def contribution(comm, count: int, dtype, op_name: str = "SUM", seed: int = 0) -
     return x.astype(dtype)
 
 
+def reduction_bound(comm, x: np.ndarray, op, average: bool = False) -> np.ndarray | None:
+    """The per-element error bound of a floating reduction of every rank's ``x``, or None
+    where the result must be exact (integers, MIN and MAX).
+
+    Floating-point sums depend on the order of additions: |out - ref| <= 2 (p - 1) eps
+    (sum over ranks of |x|) per element bounds any summation order (2 p eps prod|x| for
+    products). Collective: every rank must call it.
+    """
+    if x.dtype.kind not in "fc" or op in (MPI.MIN, MPI.MAX):
+        return None
+    p = comm.size
+    eps = np.finfo(x.dtype).eps
+    mag = np.empty(x.shape, dtype=np.finfo(x.dtype).dtype)
+    base = np.abs(x).astype(mag.dtype)
+    if op == MPI.PROD:
+        comm.Allreduce(base, mag, op=MPI.PROD)
+        return 2 * p * eps * mag
+    comm.Allreduce(base, mag, op=MPI.SUM)
+    return 2 * max(p - 1, 1) * eps * mag / (p if average else 1)
+
+
+def mismatch(comm, out: np.ndarray, ref: np.ndarray, bound: np.ndarray | None) -> str | None:
+    """Why ``out`` is not ``ref`` (within ``bound``, exactly where None) on this rank, or None."""
+    if out.shape != ref.shape:
+        return f"rank {comm.rank}: shape {out.shape}, expected {ref.shape}"
+    if bound is None:
+        bad = np.flatnonzero(out != ref)
+        if bad.size:
+            return (f"rank {comm.rank}: {bad.size} elements differ, first at {bad[0]}: "
+                    f"{out.flat[bad[0]]} vs {ref.flat[bad[0]]}")
+        return None
+    bad = np.flatnonzero(~(np.abs(out.astype(ref.dtype) - ref) <= bound))  # NaN is bad too
+    if bad.size:
+        return (f"rank {comm.rank}: {bad.size} elements off, first at {bad[0]}: "
+                f"{out.flat[bad[0]]} vs {ref.flat[bad[0]]} (bound {bound.flat[bad[0]]})")
+    return None
+
+
+def assert_on_every_rank(comm, problem: str | None, out: np.ndarray | None = None) -> None:
+    """Gather every rank's ``problem`` (and the digest of ``out``), then fail on every rank if
+    any rank has one or the outputs differ: a rank that fails alone would leave the others
+    waiting in their next collective until the job's timeout."""
+    digest = None if out is None else hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
+    reports = comm.allgather((problem, digest))
+    problems = [p for p, _ in reports if p is not None]
+    assert not problems, "; ".join(problems)
+    if out is not None:
+        digests = [d for _, d in reports]
+        assert len(set(digests)) == 1, f"results differ across ranks: {digests}"
+
+
 def assert_matches_native(comm, x: np.ndarray, out: np.ndarray, op, average: bool = False):
     """Compare ``out`` with comm.Allreduce(x, op) on every rank; exact for integers.
 
-    Floating-point sums depend on the order of additions, so the tolerance is derived from the
-    dtype and p: |out - ref| <= (p - 1) * eps * (sum over ranks of |x|) per element, the classic
-    bound for any summation order. Results must also be bit-identical across ranks.
+    Floating results must lie within :func:`reduction_bound`; results must also be
+    bit-identical across ranks. Every rank gathers every rank's verdict before asserting.
     """
     ref = np.empty_like(x)
     comm.Allreduce(x, ref, op=op)
-    p = comm.size
     if average:
-        ref = ref / p
-    if x.dtype.kind in "fc" and op not in (MPI.MIN, MPI.MAX):
-        eps = np.finfo(x.dtype).eps
-        mag = np.empty(x.shape, dtype=np.finfo(x.dtype).dtype)
-        if op == MPI.PROD:
-            base = np.abs(x).astype(mag.dtype)
-            comm.Allreduce(base, mag, op=MPI.PROD)
-            bound = 2 * p * eps * mag
-        else:
-            comm.Allreduce(np.abs(x).astype(mag.dtype), mag, op=MPI.SUM)
-            bound = 2 * max(p - 1, 1) * eps * mag / (p if average else 1)
-        err = np.abs(out.astype(ref.dtype) - ref)
-        bad = np.flatnonzero(err > bound)
-        assert bad.size == 0, (f"rank {comm.rank}: {bad.size} elements off, first at {bad[0]}: "
-                               f"{out.flat[bad[0]]} vs {ref.flat[bad[0]]} (bound {bound.flat[bad[0]]})")
-    else:
-        mismatch = np.flatnonzero(out != ref)
-        assert mismatch.size == 0, (f"rank {comm.rank}: {mismatch.size} elements differ, first "
-                                    f"at {mismatch[0]}: {out.flat[mismatch[0]]} vs "
-                                    f"{ref.flat[mismatch[0]]}")
-    assert_identical_across_ranks(comm, out)
+        ref = ref / comm.size
+    bound = reduction_bound(comm, x, op, average)
+    assert_on_every_rank(comm, mismatch(comm, out, ref, bound), out)
 
 
 def assert_identical_across_ranks(comm, out: np.ndarray) -> None:
-    digest = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
-    digests = comm.allgather(digest)
-    assert len(set(digests)) == 1, f"results differ across ranks: {digests}"
+    """Fail on every rank unless ``out`` is bit-identical on every rank."""
+    assert_on_every_rank(comm, None, out)
 
 
 def awkward_counts(p: int) -> list[int]:

@@ -1,28 +1,56 @@
 """Every algorithm against MPI's own Allreduce, on every rank, across dtypes, ops, counts,
-in-place or not, and communicator kinds. Run under mpirun with --with-mpi."""
+in-place or not, and communicator kinds. Run under mpirun with --with-mpi.
+
+The grid runs the registered schedules: ``native`` appears once, as the sanity row of the
+communicator-kind test (MPI against itself), and ``auto`` where it resolves to a schedule
+(``test_auto_runs_the_schedule_it_picks``), not where it would only repeat native. Each case
+notes whether it ran a schedule on more than one rank; the summary line "grid: N of M cases ran
+a schedule" gives the count per run (none at -n 1, where every algorithm is a copy).
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 from conftest import (
+    GRID_CASES,
     DLPackOnly,
     affine_compose,
     affine_maps,
     assert_identical_across_ranks,
     assert_matches_native,
+    assert_on_every_rank,
     awkward_counts,
     contribution,
+    mismatch,
 )
 from mpi4py import MPI
 
 import mpiallreduce as mar
+from mpiallreduce import select
 
 pytestmark = pytest.mark.mpi
 
-ALGORITHMS = [a for a in mar.ALGORITHMS]
-# "auto" picks one of the others; the (op, dtype) grid runs each of those once
-PICKED = [a for a in ALGORITHMS if a != "auto"]
+#: the registered schedules; "native" runs once as a sanity row, "auto" where it picks a schedule
+SCHEDULES = list(mar.algorithms.REGISTRY)
+
+
+@pytest.fixture(autouse=True)
+def _grid_case(request):
+    """Enter this case in the grid count; :func:`_ran` marks it as having run a schedule."""
+    GRID_CASES.setdefault(request.node.nodeid, False)
+    yield
+
+
+def _ran(comm, algorithm: str, count: int = 1) -> None:
+    """Note that the current case ran ``algorithm`` on ``comm`` (a schedule if p > 1)."""
+    if comm.size > 1 and count > 0 and algorithm in mar.algorithms.REGISTRY:
+        GRID_CASES[os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]] = True
 OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX, "LAND": MPI.LAND,
        "LOR": MPI.LOR, "LXOR": MPI.LXOR, "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
 INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
@@ -51,6 +79,7 @@ def _params(comm, x, algorithm):
 
 def _run(comm, x, op, algorithm, in_place):
     params = _params(comm, x, algorithm)
+    _ran(comm, algorithm, x.size)
     if in_place:
         buf = x.copy()
         out = mar.allreduce(MPI.IN_PLACE, buf, op=op, comm=comm, algorithm=algorithm, **params)
@@ -60,7 +89,7 @@ def _run(comm, x, op, algorithm, in_place):
     return out
 
 
-@pytest.mark.parametrize("algorithm", PICKED)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 @pytest.mark.parametrize("op_name, dtype", OP_DTYPE)
 def test_every_op_and_dtype(algorithm, op_name, dtype):
     comm = MPI.COMM_WORLD
@@ -70,7 +99,7 @@ def test_every_op_and_dtype(algorithm, op_name, dtype):
         assert_matches_native(comm, x, out, OPS[op_name])
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES + ["native"])  # native: the sanity row
 @pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 @pytest.mark.parametrize("dtype", ["float64", "int32", "complex64"])
 def test_awkward_counts_on_every_communicator_kind(comm, algorithm, in_place, dtype):
@@ -81,22 +110,24 @@ def test_awkward_counts_on_every_communicator_kind(comm, algorithm, in_place, dt
         assert_matches_native(comm, x, out, MPI.SUM)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 def test_multidimensional_buffers_keep_their_shape(algorithm):
     comm = MPI.COMM_WORLD
     x = contribution(comm, 60, "float64").reshape(3, 4, 5)
     out = np.zeros_like(x)
     result = mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+    _ran(comm, algorithm)
     assert result is out and out.shape == (3, 4, 5)
     assert_matches_native(comm, x, out, MPI.SUM)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 @pytest.mark.parametrize("dtype", FLOATS + COMPLEX)
 def test_average(algorithm, dtype):
     comm = MPI.COMM_WORLD
     x = contribution(comm, 1001, dtype)
     out = mar.allreduce(x, op=mar.AVG, comm=comm, algorithm=algorithm)
+    _ran(comm, algorithm)
     assert_matches_native(comm, x, out, MPI.SUM, average=True)
 
 
@@ -107,21 +138,22 @@ def _maxabs(inbuf, inoutbuf, datatype):
     np.maximum(np.abs(a), np.abs(b), out=b)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 def test_commutative_user_op(algorithm):
     comm = MPI.COMM_WORLD
     op = MPI.Op.Create(_maxabs, commute=True)
     try:
         x = contribution(comm, 333, "float64")
         out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
+        _ran(comm, algorithm)
         ref = np.empty_like(x)
         comm.Allreduce(x, ref, op=op)
-        assert np.array_equal(out, ref)
+        assert_on_every_rank(comm, mismatch(comm, out, ref, None), out)
     finally:
         op.Free()
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
     comm = MPI.COMM_WORLD
     op = MPI.Op.Create(affine_compose, commute=False)
@@ -140,13 +172,13 @@ def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
                     mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
             else:
                 out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
-                assert np.array_equal(out, ref)
-                assert_identical_across_ranks(comm, out)
+                _ran(comm, algorithm)
+                assert_on_every_rank(comm, mismatch(comm, out, ref, None), out)
     finally:
         op.Free()
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 def test_plan_runs_repeatedly_and_sees_new_input(comm, algorithm):
     x = contribution(comm, 1234, "float64")
     out = np.empty_like(x)
@@ -154,10 +186,11 @@ def test_plan_runs_repeatedly_and_sees_new_input(comm, algorithm):
         for round_ in range(3):
             x[:] = contribution(comm, 1234, "float64", seed=round_)
             p.run()
+            _ran(comm, algorithm)
             assert_matches_native(comm, x, out, MPI.SUM)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", SCHEDULES)
 def test_plan_in_place(algorithm):
     comm = MPI.COMM_WORLD
     buf = np.empty(777, dtype=np.int64)
@@ -166,9 +199,47 @@ def test_plan_in_place(algorithm):
         x = contribution(comm, 777, "int64", seed=round_)
         buf[:] = x
         p.run()
+        _ran(comm, algorithm)
         assert_matches_native(comm, x, buf, MPI.SUM)
     p.free()
     p.free()  # idempotent
+    with pytest.raises(ValueError, match="freed"):
+        p.run()
+
+
+@pytest.mark.parametrize("algorithm", SCHEDULES)
+@pytest.mark.parametrize("how", ["same_arrays", "fresh_arrays", "in_place", "timeout"])
+def test_repeated_calls_see_new_input(algorithm, how):
+    """Repeated one-shot calls go through the call caches (a plan per array pair, a staged
+    plan per shape for fresh arrays of a shape seen before): each must read this call's input
+    and write this call's output, never stale data."""
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 257, "float64")
+    out = np.empty_like(x)
+    for round_ in range(4):
+        new = contribution(comm, 257, "float64", seed=round_)
+        if how == "fresh_arrays":
+            x, out = new.copy(), np.full_like(new, np.nan)
+            result = mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+        elif how == "in_place":
+            out[:] = new
+            result = mar.allreduce(MPI.IN_PLACE, out, comm=comm, algorithm=algorithm)
+        else:
+            x[:] = new
+            timeout = 300.0 if how == "timeout" else None  # only a hang reaches it
+            result = mar.allreduce(x, out, comm=comm, algorithm=algorithm, timeout=timeout)
+        assert result is out
+        _ran(comm, algorithm)
+        assert_matches_native(comm, new, out, MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", SCHEDULES)
+def test_a_plan_used_as_a_context_is_freed_on_exit(algorithm):
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 100, "int64")
+    with mar.plan(x, comm=comm, algorithm=algorithm) as p:
+        _ran(comm, algorithm)
+        assert_matches_native(comm, x, p.run(), MPI.SUM)
     with pytest.raises(ValueError, match="freed"):
         p.run()
 
@@ -199,6 +270,7 @@ def test_ring_segmented_with_many_segments(comm, segment_bytes, in_place):
             else:
                 out = mar.allreduce(x, comm=comm, algorithm="ring_segmented",
                                     segment_bytes=segment_bytes)
+            _ran(comm, "ring_segmented", count)
             assert_matches_native(comm, x, out, MPI.SUM)
 
 
@@ -210,6 +282,7 @@ def test_ring_segmented_plan_with_small_segments_repeats():
         for round_ in range(3):
             x[:] = contribution(comm, 2000, "float64", seed=round_)
             p.run()
+            _ran(comm, p.algorithm)
             assert_matches_native(comm, x, out, MPI.SUM)
 
 
@@ -233,6 +306,7 @@ def test_auto_above_the_crossover_runs_the_pipelined_ring_and_matches_native():
         expected = "native" if comm.size == 1 else "shm" if one_node and comm.size <= 8 \
             else "ring_segmented"
         assert p.algorithm == expected
+        _ran(comm, p.algorithm)
         assert_matches_native(comm, x, p.run(), MPI.SUM)
     finally:
         p.free()
@@ -251,6 +325,7 @@ def test_knomial_every_radix_on_every_communicator_kind(comm, k, in_place):
                 mar.allreduce(MPI.IN_PLACE, out, comm=comm, algorithm="knomial", k=k)
             else:
                 out = mar.allreduce(x, comm=comm, algorithm="knomial", k=k)
+            _ran(comm, "knomial", count)
             assert_matches_native(comm, x, out, MPI.SUM)
             maps = affine_maps(comm, count)
             ref = np.empty_like(maps)
@@ -265,3 +340,96 @@ def test_knomial_every_radix_on_every_communicator_kind(comm, k, in_place):
 def test_knomial_bad_radix_is_refused_before_any_message():
     with pytest.raises(ValueError, match="integer radix k >= 2"):
         mar.allreduce(np.ones(4), comm=MPI.COMM_WORLD, algorithm="knomial", k=1)
+
+
+def _table(nranks: int, commutative: str, noncommutative: str) -> dict:
+    """A tuning table giving ``auto`` one algorithm per op class at every size, for ``nranks``."""
+    return {"format": select.FORMAT, "tables": [{"nranks": nranks, "classes": {
+        "commutative": [{"min_bytes": 0, "max_bytes": None, "algorithm": commutative}],
+        "noncommutative": [{"min_bytes": 0, "max_bytes": None, "algorithm": noncommutative}]}}]}
+
+
+@pytest.fixture
+def table_of(monkeypatch):
+    """Make ``auto`` read the table given (every rank writes the same bytes), then forget it."""
+    folder = tempfile.mkdtemp(prefix="mar-tuning-")
+
+    def use(table: dict) -> None:
+        path = os.path.join(folder, "tuning.json")
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(table, file)
+        monkeypatch.setenv(select.TUNING_ENV, path)
+        select.reload()
+
+    yield use
+    monkeypatch.undo()
+    select.reload()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rule_pick(p: int) -> tuple[int, str] | None:
+    """A float64 count at which auto's built-in rule picks a schedule at p ranks, or None."""
+    from mpiallreduce.ops import reducer
+    red = reducer(MPI.SUM, np.dtype("float64"))
+    for nbytes in (2 << 10, 16 << 10, 32 << 10):
+        picked = select.choose(p, nbytes, red)
+        if picked != "native":
+            return nbytes // 8 + 3, picked
+    return None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("source", ["rule", "table"])
+def test_auto_runs_the_schedule_it_picks(source, table_of):
+    """auto resolves to a schedule (the built-in rule's at 2 to 5 ranks, a table's at any p)
+    and runs it: the plan names it and the result is MPI's."""
+    world = MPI.COMM_WORLD
+    if source == "table":
+        table_of(_table(world.size, "tree", "native"))
+        count, expected = 1001, "tree"
+    else:
+        found = _rule_pick(world.size)
+        if found is None:  # the same on every rank: it depends on p only
+            pytest.skip(f"the built-in rule picks native at every small size at p = {world.size}")
+        count, expected = found
+    comm = world.Dup()  # a communicator no earlier auto call has seen
+    # the built-in rule is for ranks on several nodes (on one, auto runs shm): one rank a node
+    topology = mar.Topology.simulated(comm, ranks_per_node=1) if source == "rule" else None
+    try:
+        x = contribution(comm, count, "float64")
+        with mar.plan(x, comm=comm, algorithm="auto", topology=topology) as p:
+            assert p.algorithm == expected
+            out = p.run()
+            _ran(comm, p.algorithm)
+            assert_matches_native(comm, x, out, MPI.SUM)
+        out = mar.allreduce(x, comm=comm, algorithm="auto", topology=topology)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_never_runs_an_algorithm_that_refuses_the_op(table_of):
+    """Where auto picks a commutative-only schedule (the ring) for SUM, a non-commutative op of
+    the same size gets the order-keeping algorithm of its class and MPI's exact result."""
+    world = MPI.COMM_WORLD
+    table_of(_table(world.size, "ring", "recursive_doubling"))
+    assert mar.algorithms.get("ring").commutative_only
+    comm = world.Dup()
+    op = MPI.Op.Create(affine_compose, commute=False)
+    try:
+        maps = affine_maps(comm, 37)
+        with mar.plan(maps, op=MPI.BXOR, comm=comm, algorithm="auto") as p:
+            assert p.algorithm == "ring"  # the op class is what keeps the ring away below
+        with mar.plan(maps, op=op, comm=comm, algorithm="auto") as p:
+            assert p.algorithm == "recursive_doubling"
+            out = p.run()
+            _ran(comm, p.algorithm)
+        ref = np.empty_like(maps)
+        comm.Allreduce(maps, ref, op=op)
+        assert_on_every_rank(comm, mismatch(comm, out, ref, None), out)
+        out = mar.allreduce(maps, op=op, comm=comm, algorithm="auto")
+        assert_on_every_rank(comm, mismatch(comm, out, ref, None), out)
+    finally:
+        op.Free()
+        comm.Free()

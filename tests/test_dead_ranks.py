@@ -9,7 +9,6 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import MPIRUN, launcher_environment, needs_mpirun
@@ -17,21 +16,21 @@ from conftest import MPIRUN, launcher_environment, needs_mpirun
 import mpiallreduce as mar
 
 WORKER = pathlib.Path(__file__).resolve().parent / "workers" / "crash.py"
-LIMIT = 60  # seconds: the job must be over by then
+#: seconds after which the job counts as hung (subprocess.TimeoutExpired fails the test); so
+#: generous that only a hang reaches it on a loaded machine: no speed is measured here
+LIMIT = 300
 
 pytestmark = needs_mpirun
 
 
 def _run(*args, nranks=3):
-    start = time.monotonic()
-    done = subprocess.run([str(MPIRUN), "-n", str(nranks), sys.executable, "-m", "mpi4py",
+    return subprocess.run([str(MPIRUN), "-n", str(nranks), sys.executable, "-m", "mpi4py",
                            str(WORKER), *args], env=launcher_environment(), capture_output=True,
                           text=True, timeout=LIMIT)
-    return done, time.monotonic() - start
 
 
 def test_the_worker_completes_when_no_rank_fails():
-    done, _ = _run("none")
+    done = _run("none")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("no rank failed") == 3
 
@@ -40,9 +39,8 @@ def test_the_worker_completes_when_no_rank_fails():
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failing_rank_ends_the_job(how, algorithm):
     assert algorithm in mar.ALGORITHMS
-    done, elapsed = _run(how, algorithm)  # subprocess.TimeoutExpired fails the test
+    done = _run(how, algorithm)  # subprocess.TimeoutExpired (a hang) fails the test
     output = done.stdout + done.stderr
     assert f"rank 1 fails ({how}) at call 10" in output
     assert done.returncode != 0, output
     assert "no rank failed" not in output
-    assert elapsed < LIMIT

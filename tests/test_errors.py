@@ -148,15 +148,6 @@ def test_non_commutative_op_is_refused_by_algorithms_that_reorder(algorithm):
         op.Free()
 
 
-def test_auto_never_picks_an_algorithm_that_refuses_the_op():
-    op = MPI.Op.Create(_affine, commute=False)
-    try:
-        x = np.arange(4, dtype=np.int64)
-        assert np.array_equal(mar.allreduce(x, op=op, algorithm="auto"), x)
-    finally:
-        op.Free()
-
-
 def test_a_bad_call_changes_nothing():
     """The error comes before any data moves: the output buffer is untouched."""
     out = np.full(10, 7.0)

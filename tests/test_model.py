@@ -3,11 +3,10 @@ calibration fit, the predict command line, and the 4096-rank build time (serial,
 
 import subprocess
 import sys
-import time
 
 import pytest
 
-from mpiallreduce import algorithms
+from mpiallreduce import algorithms, model
 from mpiallreduce.algorithms.compose import program_length
 from mpiallreduce.model import (
     DEFAULT_MACHINE,
@@ -131,12 +130,21 @@ def test_choose_keeps_native_for_small_messages_and_order():
                                           "rabenseifner", "hierarchical"}
 
 
-def test_4096_ranks_build_fast_for_every_algorithm():
+def test_4096_ranks_take_a_shortcut_for_every_algorithm(monkeypatch):
+    """At 4096 ranks no algorithm builds every rank's whole program at the full count (what
+    made large predictions slow: 4096 x 8190 steps for the ring): each builds O(p log p) steps
+    at most (a class representative, the slot spans at count = parts, the rotated ring, or
+    knomial's short programs). Behaviour, not a timing: the steps built are counted."""
     topology = Topology.simulated(4096, 8)
+    built = []
+    steps = algorithms.Algorithm.steps
+    monkeypatch.setattr(algorithms.Algorithm, "steps",
+                        lambda self, *a, **k: built.append(len(r := steps(self, *a, **k))) or r)
     for name in algorithms.REGISTRY:
-        start = time.process_time()
-        predict(name, 4096, 1 << 24, topology)
-        assert time.process_time() - start < 5, name
+        built.clear()
+        prediction = predict(name, 4096, 1 << 24, topology)
+        assert sum(built) <= 4 * 4096 * 12, (name, sum(built))
+        assert prediction.time > 0 and prediction.finish.shape == (4096,), name
 
 
 def test_predict_command_prints_every_algorithm_and_a_winner():
@@ -196,7 +204,7 @@ def test_native_reproduces_the_measured_crossover_at_2_and_4_ranks():
             assert predict("ring_segmented", p, size).time < predict("native", p, size).time
 
 
-def test_model_choice_is_native_small_a_schedule_large_and_cached():
+def test_model_choice_is_native_small_a_schedule_large_and_cached(monkeypatch):
     import numpy as np
     from mpi4py import MPI
 
@@ -209,32 +217,36 @@ def test_model_choice_is_native_small_a_schedule_large_and_cached():
     assert auto(4096, 8, red, big) == "native"
     large = auto(4096, 256 << 20, red, big)
     assert large != "native"
+    asked = []
+    monkeypatch.setattr(model, "choose", lambda *a, **k: asked.append(a) or "native")
     for args in ((16, 8, red, None), (4096, 256 << 20, red, big), (4096, 8, red, big)):
         first = auto(*args)
-        start = time.perf_counter()
+        before = len(asked)
         assert auto(*args) == first
-        assert time.perf_counter() - start < 0.05
+        assert len(asked) == before, f"{args[:2]}: the model was asked again"  # cached
 
 
 def _predict_cli(ranks):
-    start = time.perf_counter()
+    # the timeout only catches a hang (or a fall-back to simulating every rank at 1 GiB);
+    # speed is the cost model's benchmark's business, not a test's
     out = subprocess.run([sys.executable, "-m", "mpiallreduce.model", "predict", "--ranks",
                           str(ranks), "--ranks-per-node", "8", "--sizes", "8:1G"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    return time.perf_counter() - start, out.stdout
+    return out.stdout
 
 
-def test_predict_512_ranks_is_fast():
-    elapsed, stdout = _predict_cli(512)
-    assert elapsed < 10, elapsed
+def test_predict_512_ranks_completes():
+    stdout = _predict_cli(512)
     assert "# winners: " in stdout
+    rows = [line.split() for line in stdout.splitlines() if not line.startswith("#")]
+    assert sum(row[-1] == "*" for row in rows) == 28  # one winner per size, 8 B .. 1 GiB
 
 
 @pytest.mark.slow
-def test_predict_4096_ranks_under_30_s():
-    elapsed, stdout = _predict_cli(4096)
-    assert elapsed < 30, elapsed
+def test_predict_4096_ranks_completes():
+    stdout = _predict_cli(4096)
+    assert "# winners: " in stdout
 
 
 # -- more ranks than cores (issue 24, item 2) ----------------------------------------------------

@@ -1,20 +1,31 @@
 """Plans run in different orders on different ranks never exchange data (subprocess mpirun).
 
-Without a timeout they wait, as mis-ordered MPI collectives do (the job is killed here after a
-few seconds, having printed no result); with one, every rank raises CollectiveTimeout naming
-the likely cause. Before slots per plan, rank 0 got A=111, B=102 and rank 1 A=102, B=111.
+Without a timeout they wait, as mis-ordered MPI collectives do (both ranks report reaching the
+wait, then the job stays silent and alive for a few seconds and is killed); with one, every
+rank raises CollectiveTimeout naming the likely cause. Before slots per plan, rank 0 got
+A=111, B=102 and rank 1 A=102, B=111.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from conftest import MPIRUN, launcher_environment, needs_mpirun
 
 WORKER = pathlib.Path(__file__).resolve().parent / "workers" / "misordered.py"
+#: seconds the job may take to start and reach the wait (generous: only a broken launch fails)
+LAUNCH = 120
+#: seconds of silence, after both ranks reached the wait, that count as a hang: a run that
+#: completed would print RESULT within milliseconds
+SILENCE = 3
 
 pytestmark = needs_mpirun
 
@@ -28,9 +39,34 @@ def _run(*args, limit):
 
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "native"])
 def test_misordered_plans_wait_without_a_timeout(algorithm):
-    done = _run(algorithm, limit=6)
-    assert done.returncode == 124, done.stdout + done.stderr  # still waiting when killed
-    assert "RESULT" not in done.stdout
+    """Both ranks reach the wait (WAITING), then the job prints nothing and stays alive: a hang,
+    told apart from a slow launch because the clock starts only once both ranks are waiting."""
+    job = subprocess.Popen([str(MPIRUN), "-n", "2", sys.executable, "-m", "mpi4py", str(WORKER),
+                            algorithm], env=launcher_environment(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in job.stdout], daemon=True).start()
+    seen = []
+    try:
+        deadline = time.monotonic() + LAUNCH
+        # count in the joined text: MPICH's launcher may put both ranks' lines on one
+        while "".join(seen).count("WAITING rank") < 2:
+            try:
+                seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                pytest.fail(f"the ranks did not reach the wait in {LAUNCH} s: {seen}")
+        time.sleep(SILENCE)
+        while not lines.empty():
+            seen.append(lines.get())
+        assert job.poll() is None, f"the job ended (exit {job.returncode}): {seen}"
+        assert "RESULT" not in "".join(seen), seen
+    finally:  # SIGTERM first: mpirun passes it to the ranks (as `timeout` did before)
+        os.killpg(job.pid, signal.SIGTERM)
+        try:
+            job.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "native"])

@@ -2,7 +2,7 @@
 
 Rank 1 either raises or SIGKILLs itself in the middle of a run of allreduces, while the other
 ranks are inside the next one, waiting for it. Run under ``mpirun ... python -m mpi4py`` this
-must end the whole job with a non-zero exit; test_dead_ranks.py checks that it does, promptly.
+must end the whole job with a non-zero exit; test_dead_ranks.py checks that it does, without hanging.
 """
 
 from __future__ import annotations

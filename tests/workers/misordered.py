@@ -1,8 +1,9 @@
 """Two plans run in different orders on different ranks (rank 0: B then A; others: A then B).
 
 Run as ``mpirun -n 2 python -m mpi4py misordered.py ALGORITHM [TIMEOUT]``. Prints one line per
-rank: ``RESULT a=... b=...`` if the runs returned (the bug this guards against: swapped sums),
-or ``TIMEOUT <message>``. Without a timeout the ranks wait, as mis-ordered MPI collectives do,
+rank: ``WAITING rank R`` once its plans are built and it starts running them, then
+``RESULT a=... b=...`` if the runs returned (the bug this guards against: swapped sums), or
+``TIMEOUT <message>``. Without a timeout the ranks wait, as mis-ordered MPI collectives do,
 and the caller kills the job.
 """
 
@@ -22,6 +23,8 @@ def main():
     plan_a = mar.plan(a, np.empty(2), comm=comm, algorithm=algorithm)
     plan_b = mar.plan(b, np.empty(2), comm=comm, algorithm=algorithm)
     plans = [plan_b, plan_a] if comm.rank == 0 else [plan_a, plan_b]
+    # the launch is over and the plans are built: what follows is the wait itself
+    print(f"WAITING rank {comm.rank}", flush=True)
     try:
         for plan in plans:
             plan.run(timeout=timeout)
