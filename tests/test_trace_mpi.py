@@ -19,7 +19,7 @@ from mpi4py import MPI
 import mpiallreduce as mar
 from mpiallreduce import algorithms, executor, tracing
 
-SCHEDULES = [name for name in mar.ALGORITHMS if name not in ("native", "auto")]
+SCHEDULES = list(algorithms.REGISTRY)  # shm and native have no steps to trace
 REQUIRED = ("name", "ph", "ts", "dur", "pid", "tid")
 PHASES = ("load", "copy", "start", "wait", "combine", "finish")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
