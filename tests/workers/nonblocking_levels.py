@@ -30,37 +30,39 @@ def expected(comm, count: int) -> np.ndarray:
     return sum(np.arange(count, dtype=np.float64) + r for r in range(comm.size))
 
 
-def never_blocks(comm, algorithm):
-    """test() on a request whose peers have not started returns False at once."""
+def late_request(comm, algorithm):
+    """An iallreduce of 1000 values that ranks other than 0 start a second late."""
     x = np.arange(1000, dtype=np.float64) + comm.rank
     late(comm)
-    request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
+    return mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
+
+
+def outcome(comm, out, failure: str | None) -> str | None:
+    """Rank 0's failure if it saw one, else whether the sum is right."""
+    if comm.rank == 0 and failure:
+        return failure
+    return None if np.array_equal(out, expected(comm, 1000)) else "wrong sum"
+
+
+def never_blocks(comm, algorithm):
+    """test() on a request whose peers have not started returns False at once."""
+    request = late_request(comm, algorithm)
     first = request.test()
-    out = request.wait()
-    if comm.rank == 0 and first:
-        return "test() returned True before the other ranks had started (it blocked)"
-    if not np.array_equal(out, expected(comm, 1000)):
-        return "wrong sum"
-    return None
+    return outcome(comm, request.wait(), first and "test() returned True before the other "
+                                                   "ranks had started (it blocked)")
 
 
 def wait_honours_its_timeout(comm, algorithm):
     """wait(timeout) raises CollectiveTimeout and leaves the request in flight."""
-    x = np.arange(1000, dtype=np.float64) + comm.rank
-    late(comm)
-    request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
+    request = late_request(comm, algorithm)
     raised = False
     if comm.rank == 0:
         try:
             request.wait(timeout=0.1)
         except mar.CollectiveTimeout as exc:
             raised = "still in flight" in str(exc)
-    out = request.wait()
-    if comm.rank == 0 and not raised:
-        return "wait(timeout=0.1) did not raise CollectiveTimeout while the peers were late"
-    if not np.array_equal(out, expected(comm, 1000)):
-        return "wrong sum"
-    return None
+    return outcome(comm, request.wait(), not raised and "wait(timeout=0.1) did not raise "
+                   "CollectiveTimeout while the peers were late")
 
 
 def blocking_call_between(comm, algorithm):
