@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from dataclasses import dataclass, field
 
@@ -127,6 +128,15 @@ def check_topology(topology, comm) -> None:
         raise TypeError(f"topology must be a mpiallreduce Topology (Topology.from_comm, "
                         f"Topology.simulated, Topology.from_nodes), got {type(topology).__name__}")
     topology.check_size(comm.Get_size())
+
+
+def plain_timeout(timeout):
+    """A NumPy (or other) real number of seconds as a float, so that a repeated call finds its
+    plan (a ``np.float64`` timeout made every call bind two new plans); anything else as it is,
+    for the checks to refuse on every rank."""
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        return float(timeout)
+    return timeout
 
 
 @dataclass

@@ -167,10 +167,12 @@ class _Known:
     timeout (``signatures``)."""
 
     __slots__ = ()
+    #: the call a failed agreement names
+    what = "allreduce"
 
     def agree(self, timeout) -> None:
         state = self.state
-        agree(state.checker, "allreduce", self.signatures[timeout is not None], None, ALGORITHMS,
+        agree(state.checker, self.what, self.signatures[timeout is not None], None, ALGORITHMS,
               timeout, state.fail)
 
 

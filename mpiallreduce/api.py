@@ -7,7 +7,6 @@ A repeated one-shot call with the same objects skips everything but the agreemen
 
 from __future__ import annotations
 
-import numbers
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ from mpi4py import MPI
 from . import _plans
 from . import reproducible as _reproducible
 from ._agree import prepare
-from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
+from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call, plain_timeout
 from ._state import CALLS, LAST, SHAPES
 from ._state import state as comm_state
 from .collectives import allgather, alltoall, bcast, reduce_scatter
@@ -76,7 +75,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     if comm is None:
         comm = _WORLD
     if timeout is not None and type(timeout) not in (int, float):
-        timeout = _plain(timeout)
+        timeout = plain_timeout(timeout)
     # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
     key = None
     entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
@@ -127,15 +126,6 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
     return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
                            cache, timeout)
-
-
-def _plain(timeout):
-    """A NumPy (or other) real number of seconds as a float, so that a repeated call finds its
-    plan (a ``np.float64`` timeout made every call bind two new plans); anything else as it is,
-    for the checks to refuse on every rank."""
-    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
-        return float(timeout)
-    return timeout
 
 
 def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,

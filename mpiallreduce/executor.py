@@ -306,6 +306,7 @@ class _PlanBase:
         self._in_flight = None  # the Request of a run started and not yet completed
         self._request = None  # the Request of the last start()
         self._parked: tuple | None = None  # _fast while a run is in flight
+        self._engine = None  # what progresses its started runs (set by .nonblocking)
         self._requests: list = []  # every persistent request, for free() and the finalizer
         # A plan dropped without free() still releases its requests (and its own communicator);
         # not at interpreter exit, where MPI may already be finalized.
@@ -437,6 +438,8 @@ class Plan(_PlanBase):
         self._layout = layout or Layout.allreduce(recvbuf)
         persistent = persistent or TRACER is not None  # a traced run is one flat program
         self._phase = _untraced  # the tracer's hook when bound while tracing (see .tracing)
+        self._stepwise: tuple | None = None  # steps()'s program, bound on first use
+        self._lean: tuple | None = None  # start_lean's split of _fast, made on first use
         self._persistent = persistent
         self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
@@ -491,12 +494,15 @@ class Plan(_PlanBase):
         calls = [*phase("run", None, ()), *phase("load", None, self._first)]
         pending = ()
         startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
+        self._posted = None  # where the first step's requests have been started (see start_lean)
         for before, requests, combines, defer, bound in self._program:
             calls += phase("copy", bound.index, before)
             if len(requests) <= SINGLE_REQUESTS:
                 calls += phase("start", bound.index, [request.Start for request in requests])
             else:
                 calls += phase("start", bound.index, [partial(startall, requests)])
+            if self._posted is None:
+                self._posted = len(calls)
             calls += pending
             if len(requests) <= SINGLE_REQUESTS:
                 calls += phase("wait", bound.index,
@@ -508,7 +514,10 @@ class Plan(_PlanBase):
             else:
                 pending = ()
                 calls += phase("combine", bound.index, combines)
-        return (*calls, *pending, *phase("finish", None, self._last), *phase("end", None, ()))
+        calls = (*calls, *pending, *phase("finish", None, self._last), *phase("end", None, ()))
+        if self._posted is None:
+            self._posted = len(calls)
+        return calls
 
     @property
     def nbytes(self) -> int:
@@ -622,8 +631,24 @@ class Plan(_PlanBase):
                 self.expire(requests, bound, timeout)
         return self.recvbuf
 
-    def steps(self):
+    def start_lean(self) -> tuple:
+        """Post the first step of a run without deadline (persistent and untraced: ``_fast``
+        set; one step at least) and return ``(requests, rest)``: the first step's requests, and
+        the argument-free calls that complete the run from there (waited in the caller's thread
+        when nothing else is in flight; else the run continues as ``steps(posted=True)``)."""
+        fast, lean = self._fast, self._lean
+        if lean is None or lean[0] is not fast:  # split once per flat program
+            posted = self._posted
+            lean = self._lean = (fast, fast[:posted], fast[posted:], self._program[0][1])
+        for call in lean[1]:
+            call()
+        return lean[3], lean[2]
+
+    def steps(self, posted: bool = False):
         """Run once, step by step: yield each step's ``(requests, bound step)`` once posted.
+
+        ``posted``: :meth:`start_lean` has already loaded the buffers and started the first
+        step's requests; go on from there.
 
         The caller resumes the generator only when those requests have completed (waited,
         polled or tested: :meth:`run`, or a non-blocking request in
@@ -631,33 +656,52 @@ class Plan(_PlanBase):
         its requests started, the previous step's deferred combines, then (after the yield) its
         combines. A plan bound while tracing records the same phases as its flat program.
         """
-        phase = self._phase
-        for call in (*phase("run", None, ()), *phase("load", None, self._first)):
-            call()
-        pending = ()  # combines of a step that wait until the next step's messages are posted
+        head, program, tail = self._stepwise or self._bind_stepwise()
         startall = MPI.Prequest.Startall
-        # one tuple per step, bound at plan time (self._program)
-        for before, requests, combines, defer, bound in self._program:
-            for call in (*phase("copy", bound.index, before), *phase("start", bound.index, ())):
+        if not posted:
+            for call in head:
                 call()
-            if requests is None:
-                requests = self._post(bound)
+        pending = ()  # combines of a step that wait until the next step's messages are posted
+        for before, requests, waits, combines, defer, bound in program:
+            if posted:  # (the first step's copies and starts are done)
+                posted = False
             else:
-                startall(requests)
+                for call in before:
+                    call()
+                if requests is None:
+                    requests = self._post(bound)
+                elif len(requests) <= SINGLE_REQUESTS:
+                    for request in requests:
+                        request.Start()
+                else:
+                    startall(requests)
             for call in pending:  # overlaps this step's transfers
                 call()
-            for call in phase("wait", bound.index, ()):
+            for call in waits:
                 call()
             yield requests, bound
-            combined = phase("combine", bound.index, combines)
             if defer:
-                pending = combined
+                pending = combines
             else:
                 pending = ()
-                for call in combined:
+                for call in combines:
                     call()
-        for call in (*pending, *phase("finish", None, self._last), *phase("end", None, ())):
+        for call in (*pending, *tail):
             call()
+
+    def _bind_stepwise(self) -> tuple:
+        """The stepwise program (:meth:`steps`), each step's phases bound once (on first use,
+        after a tracer has hooked ``_phase``): ``(head, steps, tail)``, a step being
+        ``(copies and start stamps, requests or None, wait stamps, combines, defer, bound)``."""
+        phase = self._phase
+        head = (*phase("run", None, ()), *phase("load", None, self._first))
+        program = tuple(((*phase("copy", bound.index, before), *phase("start", bound.index, ())),
+                         requests, tuple(phase("wait", bound.index, ())),
+                         tuple(phase("combine", bound.index, combines)), defer, bound)
+                        for before, requests, combines, defer, bound in self._program)
+        tail = (*phase("finish", None, self._last), *phase("end", None, ()))
+        self._stepwise = (head, program, tail)
+        return self._stepwise
 
     def _post(self, bound: _BoundStep) -> list:
         tag = self._tag_base + bound.index % STEP_TAGS
@@ -707,6 +751,7 @@ class NativePlan(_PlanBase):
                         if stop > start]
         self._op = reducer.mpi_op
         self._persistent: list | None = None  # MPI's persistent requests, made on first start
+        self._work = None  # what a start without deadline waits for (set by .nonblocking)
         if len(self.pieces) == 1 and not self._average:  # the run without deadline: one call
             self._fast = (partial(comm.Allreduce, *self.pieces[0], self._op),)
 

@@ -42,16 +42,29 @@ import itertools
 import threading
 import time
 import weakref
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _plans
-from ._agree import prepare
-from ._checks import allreduce_call
+from ._agree import Signature, prepare
+from ._checks import allreduce_call, plain_timeout
+from ._state import CALLS
 from ._state import state as comm_state
 from .errors import CollectiveTimeout
-from .executor import BUSY_TESTS, MAX_MESSAGE, NativePlan, _PlanBase, check_timeout, flat, patience, poll
+from .executor import (
+    BUSY_TESTS,
+    MAX_MESSAGE,
+    NativePlan,
+    Plan,
+    _PlanBase,
+    _untraced,
+    check_timeout,
+    flat,
+    patience,
+    poll,
+)
 from .partition import segments
 
 #: longest pause (seconds) of the progress thread between polls while runs are in flight.
@@ -103,7 +116,10 @@ class Request:
                 :class:`CollectiveTimeout`; the request is still in flight and may be waited
                 again (the communicator is not marked unusable by this wait alone).
         """
-        if self._work is not None:
+        work = self._work
+        if work is not None:
+            if timeout is None:  # blocks until complete (or the run's own deadline raises)
+                return self._complete(work.wait)
             check_timeout(timeout)
             until = None if timeout is None else time.monotonic() + timeout
             if not self._progress(until, block=True):
@@ -121,6 +137,16 @@ class Request:
         self._work = None
         self._settle()
         return True
+
+    def _complete(self, wait):
+        """Run ``wait()`` (blocks until the work is done), settle, return the outcome."""
+        try:
+            wait()
+        except Exception as exc:  # noqa: BLE001 - the request failed: kept for every wait()
+            self._error = exc
+        self._work = None
+        self._settle()
+        return self._outcome()
 
     def _settle(self) -> None:
         if self._finish is not None:
@@ -170,10 +196,22 @@ class _NativeWork:
     requests)`` marks the communicator unusable and raises.
     """
 
+    __slots__ = ("requests", "deadline", "timeout", "fail", "where", "keep", "wait")
+
     def __init__(self, requests: list, deadline: float | None, timeout, fail, where, keep):
         self.requests, self.deadline, self.timeout, self.fail = requests, deadline, timeout, fail
         self.where = where  # names the call in a timeout message (a callable: built on failure)
         self.keep = keep  # the buffers MPI reads and writes until the requests complete
+        # wait(): complete, or raise at the deadline
+        if deadline is not None:
+            self.wait = self._wait_for_deadline
+        elif len(requests) == 1:
+            self.wait = requests[0].Wait
+        else:
+            self.wait = partial(MPI.Request.Waitall, requests)
+
+    def _wait_for_deadline(self) -> None:
+        self.complete(None)
 
     def test(self) -> bool:
         if MPI.Request.Testall(self.requests):
@@ -207,21 +245,35 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 # -- schedules: runs progressed step by step -------------------------------------------------------
 
 class _Run:
-    """A schedule plan's run in flight: its step generator and the requests it waits on."""
+    """A schedule plan's run in flight: its step generator and the requests it waits on.
 
-    def __init__(self, engine: _Engine, plan, timeout: float | None, owned: bool):
+    In its engine's ``runs`` from submission until it ends (or is abandoned at its deadline).
+    """
+
+    __slots__ = ("engine", "plan", "owned", "timeout", "deadline", "steps", "requests", "bound",
+                 "finished", "error", "rest")
+
+    def __init__(self, engine: _Engine, plan, timeout: float | None, owned: bool,
+                 posted: tuple | None = None):
         self.engine, self.plan, self.owned = engine, plan, owned
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.steps = plan.steps()
-        self.requests = self.bound = None
+        self.bound = None
         self.finished = False
         self.error: BaseException | None = None
+        if posted is None:
+            self.steps = plan.steps()
+            self.requests = self.rest = None
+        else:  # Plan.start_lean posted the first step: (its requests, the rest of the flat run)
+            self.steps = None
+            self.requests, self.rest = posted
 
     def advance(self) -> int:
         """Run steps whose requests completed, post the next ones; never blocks (engine lock
         held). Return how many steps moved."""
         moved = 0
+        if self.steps is None:  # lean: anything but its own wait goes on as a generator
+            self.steps, self.rest = self.plan.steps(posted=True), None
         try:
             while self.requests is None or MPI.Request.Testall(self.requests):
                 self.requests, self.bound = next(self.steps)
@@ -236,6 +288,7 @@ class _Run:
     def _end(self) -> None:
         self.finished = True
         self.requests = None
+        self.engine.runs.remove(self)
         if self.owned:
             self.plan.free()
 
@@ -252,27 +305,59 @@ class _Run:
                 engine.lock.release()
         return self._result()
 
+    def wait(self) -> None:
+        """Complete the run (no deadline but its own); raise its error."""
+        if self.rest is not None:  # lean and untouched (no deadline): alone, finish it here
+            lock, runs = self.engine.lock, self.engine.runs
+            if lock.acquire(blocking=False):
+                try:
+                    if self.rest is not None and len(runs) == 1:  # runs == [self]
+                        self._finish_lean()
+                        if self.error is not None:
+                            raise self.error
+                        return
+                finally:
+                    lock.release()
+        self.complete(None)
+
     def complete(self, until: float | None) -> bool:
         engine = self.engine
         stop = _earliest(until, self.deadline)
+        lock, runs = engine.lock, engine.runs
         for _ in itertools.chain(range(BUSY_TESTS), patience(stop)):
-            if not engine.lock.acquire(blocking=False):
+            if not lock.acquire(blocking=False):
                 continue  # the thread is advancing the runs: look again after a pause
             try:
-                engine.progress()
-                while not self.finished and stop is None and engine.runs == [self]:
-                    # alone and without deadline: block in MPI, as a blocking run does
-                    MPI.Request.Waitall(self.requests)
-                    self.advance()
+                if stop is None:
+                    # alone and without deadline: block in MPI step by step, as a blocking run
+                    # does (runs holds this run until it ends)
+                    while len(runs) == 1 and runs[0] is self:
+                        if self.rest is not None:  # lean, untouched: the rest of the flat run
+                            self._finish_lean()
+                            break
+                        if self.requests is not None:
+                            MPI.Request.Waitall(self.requests)
+                        self.advance()
+                if not self.finished:
+                    engine.progress()
                 if self.finished:
                     return self._result()
             finally:
-                engine.lock.release()
-        with engine.lock:
+                lock.release()
+        with lock:
             engine.progress()
             if not self.finished:
                 self._check_deadline()
         return self._result()
+
+    def _finish_lean(self) -> None:
+        rest, self.rest = self.rest, None
+        try:
+            for call in rest:
+                call()
+        except Exception as exc:  # noqa: BLE001 - a user op raised: handed to wait()
+            self.error = exc
+        self._end()
 
     def _result(self) -> bool:
         if self.finished and self.error is not None:
@@ -285,7 +370,8 @@ class _Run:
             return
         self.engine.runs.remove(self)
         self.finished = True
-        self.steps.close()
+        if self.steps is not None:
+            self.steps.close()
         self.plan.expire(self.requests, self.bound, self.timeout)  # marks broken and raises
 
 
@@ -313,7 +399,14 @@ class _Engine:
         with self.lock:
             self.runs.append(run)
             self.progress()
-        if run.finished or not self.threaded:
+        if not run.finished:
+            self.wake()
+
+    def wake(self) -> None:
+        """Start the thread (threaded) if none runs; call after appending a run."""
+        if not self.threaded or self.thread is not None:
+            # a running thread sees the run: it checks for runs under the guard before exiting,
+            # and the run was appended before this look
             return
         with self.guard:
             if self.thread is None:
@@ -322,12 +415,11 @@ class _Engine:
                 self.thread.start()
 
     def progress(self) -> int:
-        """Advance every run in flight, in start order, without blocking (lock held)."""
+        """Advance every run in flight, in start order, without blocking (lock held); a run
+        that ends leaves ``runs``."""
         moved = 0
-        for run in list(self.runs):
+        for run in tuple(self.runs):
             moved += run.advance()
-            if run.finished:
-                self.runs.remove(run)
         return moved
 
     def _loop(self) -> None:
@@ -380,7 +472,9 @@ def _schedule_request(plan, timeout, owned: bool, finish=None) -> Request:
         finally:
             if owned:
                 plan.free()
-    engine = _engine(plan.comm)
+    engine = plan._engine
+    if engine is None:
+        engine = plan._engine = _engine(plan.comm)
     run = _Run(engine, plan, timeout, owned)
     request = Request(plan.recvbuf, run, finish)
     engine.submit(run)
@@ -398,34 +492,132 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
     how the run progresses is in the module docstring. Do not touch ``recvbuf`` (or write
     ``sendbuf``) until the request completes. Requests and blocking calls on one communicator
     are issued in the same order on every rank.
+
+    As :func:`mpiallreduce.allreduce` does, a repeated call with the same objects finds what its
+    first call set up (the agreement's signature, MPI's arguments or the bound plan, in the
+    communicator's call cache) and costs the agreement (if ``check``) and the start.
     """
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if timeout is not None and type(timeout) not in (int, float):
+        timeout = plain_timeout(timeout)
+    if _DROPPED:
+        _tidy()
+    # the entry is found by the identity of the objects (it holds them alive: equal ids are the
+    # same objects), as one-shot blocking calls find theirs; key[2] keeps it out of their LAST
+    key = (id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op), algorithm, id(topology),
+           tuple(params.items()) if params else ())
+    try:
+        entry = CALLS.get(key)
+    except TypeError:  # a parameter value that cannot be hashed: no caching
+        entry = key = None
+    if entry is not None and recvbuf.dtype is entry.dtype \
+            and (entry.in_place or (sendbuf.dtype is entry.dtype
+                                    and sendbuf.shape == recvbuf.shape)) \
+            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+        if check:
+            entry.agree(timeout)
+        return entry.start(timeout)
     call = prepare("iallreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
     if call.recv.size == 0:
         return Request(call.recv)
-    if _DROPPED:
-        _tidy()
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
-    if _plans.resolve(call, state.private.Get_size(), state, deadline) == "native":
-        private = state.nonblocking_comm(timeout, "iallreduce")
-        result = flat(call.recv)
-        send = None if call.send is None else flat(call.send)
-        requests = [private.Iallreduce(MPI.IN_PLACE if send is None else send[lo:hi],
-                                       result[lo:hi], call.reducer.mpi_op)
-                    for lo, hi in segments(0, result.size, MAX_MESSAGE) if hi > lo]
+    entry = _Started(call, state, (comm, sendbuf, recvbuf, op, topology), deadline)
+    if key is not None and _plans.cacheable(sendbuf, recvbuf, call) and state.calls.put(key, entry):
+        return entry.start(timeout)
+    return entry.start(timeout, once=True)
 
-        def finish(ok):
-            if ok and call.reducer.average:
-                np.divide(result, private.Get_size(), out=result)
 
-        where = lambda: f"native iallreduce on rank {private.Get_rank()}"
-        fail = lambda reason, pending: state.fail(reason, pending, (call,))
-        work = _NativeWork(requests, deadline, timeout, fail, where, call)
-        return Request(call.recv, work, finish)
-    plan = _plans.build(call, state, explicit=True, persistent=False, timeout=timeout,
-                        deadline=deadline, what="iallreduce")
-    return _schedule_request(plan, timeout, owned=True)
+class _Started(_plans._Known):
+    """What an ``iallreduce`` sets up, kept for the next call with the same objects.
+
+    Three kinds, by what the call resolves to (the same on every rank):
+
+    - MPI's own collective: the arguments of ``Iallreduce`` on the duplicate kept for
+      non-blocking collectives (the MPI datatype given, so mpi4py need not infer it);
+    - a schedule: a plan of its own (its scratch too) posted step by step, which takes the
+      communicator's next slot of tags at every start. Every rank takes one slot per schedule
+      ``iallreduce``, whether its cache found the entry or not, so slot numbers stay equal
+      across ranks even where one rank's cache has dropped an entry another kept. Started
+      again before its request completed, it binds a plan for that one run;
+    - a plan without steps (the shared-memory transport): it runs whole at the start.
+    """
+
+    __slots__ = ("state", "objects", "algorithm", "params", "dtype", "in_place", "signatures",
+                 "nbytes", "call", "plan", "pieces", "iallreduce", "nranks", "average", "recv")
+    what = "iallreduce"
+
+    def __init__(self, call, state, objects: tuple, deadline: float | None):
+        self.state, self.objects, self.call = state, objects, call
+        self.algorithm, self.params = call.algorithm, call.params  # as requested
+        self.dtype = call.recv.dtype
+        self.in_place = call.send is None
+        self.recv = call.recv
+        self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
+        self.nranks = state.private.Get_size()
+        self.average = call.reducer.average
+        self.plan = self.pieces = self.iallreduce = None
+        if _plans.resolve(call, self.nranks, state, deadline, "iallreduce") == "native":
+            self.iallreduce = state.nonblocking_comm(
+                None if deadline is None else max(deadline - time.monotonic(), 1e-9),
+                "iallreduce").Iallreduce
+            result, send = flat(call.recv), None if call.send is None else flat(call.send)
+            try:
+                datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
+            except (KeyError, ValueError):
+                datatype = None
+            typed = (lambda buf: buf) if datatype is None else (lambda buf: [buf, datatype])
+            self.pieces = [(MPI.IN_PLACE if send is None else typed(send[lo:hi]),
+                            typed(result[lo:hi]), call.reducer.mpi_op)
+                           for lo, hi in segments(0, result.size, MAX_MESSAGE) if hi > lo]
+        else:
+            self.plan = _plans.build(call, state, explicit=False, persistent=False,
+                                     timeout=None, deadline=deadline, what="iallreduce")
+        send_bytes = 0 if call.send is None else call.send.nbytes
+        self.nbytes = call.recv.nbytes + send_bytes + (0 if self.plan is None else self.plan.nbytes)
+
+    def start(self, timeout: float | None, once: bool = False) -> Request:
+        """Start one run; ``once``: the entry is not kept (its plan is freed after the run)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.pieces is not None:
+            requests = [self.iallreduce(*args) for args in self.pieces]
+            work = _NativeWork(requests, deadline, timeout, self.fail, self.where, self)
+            return Request(self.recv, work, self.finish if self.average else None)
+        plan = self.plan
+        if not hasattr(plan, "steps"):  # runs whole now, in call order
+            return _schedule_request(plan, timeout, owned=once)
+        tag_base = self.state.take_slot()  # on every rank, hit or miss (see the class docstring)
+        if once:
+            plan._tag_base = tag_base
+            return _schedule_request(plan, timeout, owned=True)
+        if plan._in_flight is not None:  # the same buffers again before the last wait
+            plan = _plans.build(self.call, self.state, explicit=False, persistent=False,
+                                timeout=None, what="iallreduce")
+            plan._tag_base = tag_base
+            return _schedule_request(plan, timeout, owned=True)
+        plan._tag_base = tag_base
+        plan._take_off(True)
+        request = _schedule_request(plan, timeout, owned=False, finish=plan.landed)
+        plan._in_flight = request
+        return request
+
+    def finish(self, ok: bool) -> None:
+        if ok:  # AVG: MPI's SUM, divided here
+            np.divide(self.recv, self.nranks, out=self.recv)
+
+    def fail(self, reason: str, pending) -> None:
+        self.state.fail(reason, pending, (self,))
+
+    def where(self) -> str:
+        return f"native iallreduce on rank {self.state.private.Get_rank()}"
+
+    def free(self) -> None:
+        # a plan with a run in flight is left to its run (a posted plan holds no persistent
+        # requests; the collector releases it)
+        if self.plan is not None and self.plan._in_flight is None:
+            self.plan.free()
 
 
 def start(plan, timeout: float | None = None) -> Request:
@@ -438,6 +630,24 @@ def start(plan, timeout: float | None = None) -> Request:
     returns the plan's result buffer. Until the request completes, ``run()``, ``start()`` and
     ``free()`` on the plan raise ValueError. Start plans in the same order on every rank.
     """
+    if timeout is None and type(plan) is NativePlan and plan._fast is not None \
+            and plan.timeout is None and plan._persistent is not None \
+            and (plan._state is None or not plan._state.broken):
+        # the repeated start of a native plan of one piece (_fast: not freed, broken, running
+        # or AVG), without deadline: MPI's persistent request, started
+        work = plan._work
+        if work is None:  # the same requests every start, no deadline: one work object
+            work = plan._work = _NativeWork(plan._persistent, None, None, plan.fail, plan.where,
+                                            plan)
+        plan._persistent[0].Start()
+        request = Request(plan.recvbuf, work, plan.landed)
+        plan._in_flight = request
+        plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
+        return request
+    if timeout is None and type(plan) is Plan and plan._fast is not None \
+            and plan.timeout is None and plan._phase is _untraced and plan._program \
+            and (plan._state is None or not plan._state.broken):
+        return _start_lean(plan)
     if not hasattr(plan, "steps") and not isinstance(plan, NativePlan):
         return _schedule_request(plan, timeout, owned=False)  # runs whole now
     timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
@@ -451,6 +661,28 @@ def start(plan, timeout: float | None = None) -> Request:
     else:
         request = _schedule_request(plan, timeout, owned=False, finish=plan.landed)
     plan._in_flight = request
+    return request
+
+
+def _start_lean(plan) -> Request:
+    """Start a schedule plan's run without deadline from its flat program (``_fast``: not freed,
+    broken or running; one step at least): its first step posted now; a wait with nothing else
+    in flight runs the rest of the flat program, anything else (a test, another start, the
+    thread) turns it into a stepwise run (:meth:`_Run.advance`)."""
+    engine = plan._engine
+    if engine is None:
+        engine = plan._engine = _engine(plan.comm)
+    with engine.lock:
+        run = _Run(engine, plan, None, False, plan.start_lean())
+        runs = engine.runs
+        runs.append(run)
+        if len(runs) > 1:
+            engine.progress()  # every start advances the runs in flight
+    request = Request(plan.recvbuf, run, plan.landed)
+    plan._in_flight = request
+    plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
+    if not run.finished:
+        engine.wake()
     return request
 
 

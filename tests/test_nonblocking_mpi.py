@@ -268,3 +268,74 @@ def test_drop_in_requests_match_mpi(comm, algorithm):
         request.Wait()
         assert_matches_native(comm, x, out, MPI.SUM)
     request.Free()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS + ["shm"])
+def test_a_repeated_iallreduce_with_the_same_arrays_is_right_every_time(comm, algorithm):
+    # the second call on finds its set-up in the call cache (MPI's arguments, or a plan that
+    # takes a new slot of tags per start)
+    x = contribution(comm, 301, "float64")
+    out, buf = np.empty_like(x), np.empty_like(x)
+    for round_ in range(4):
+        x[:] = contribution(comm, 301, "float64", seed=round_)
+        out.fill(np.nan)
+        assert mar.iallreduce(x, out, comm=comm, algorithm=algorithm).wait() is out
+        assert_matches_native(comm, x, out, MPI.SUM)
+        buf[:] = x
+        mar.iallreduce(MPI.IN_PLACE, buf, op=mar.AVG, comm=comm, algorithm=algorithm).wait()
+        assert_matches_native(comm, x, buf, MPI.SUM, average=True)
+    cached = [key for key in _state.CALLS
+              if key[0] == id(comm) and key[2] == ("iallreduce", id(out))]
+    assert len(cached) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "tree"])
+def test_ranks_whose_call_caches_differ_still_match_their_messages(comm, algorithm):
+    # Rank 0 keeps nothing in its call cache, the others keep everything: a cached schedule
+    # entry must still take the same slot of tags as a rank that binds the call afresh, or two
+    # requests in flight at once (and the explicit plan made after them) swap messages or hang.
+    mar.allreduce(np.zeros(1), comm=comm)  # the communicator's state, then its cache size
+    if comm.rank == 0:
+        _state.state(comm).calls.max_entries = 0
+    a, b = contribution(comm, 257, "float64", seed=1), contribution(comm, 33, "int64", seed=2)
+    out_a, out_b = np.empty_like(a), np.empty_like(b)
+    for round_ in range(3):
+        a[:] = contribution(comm, 257, "float64", seed=10 + round_)
+        # (a timeout, so that swapped messages fail the test instead of hanging the job)
+        first = mar.iallreduce(a, out_a, comm=comm, algorithm=algorithm, timeout=60)
+        second = mar.iallreduce(b, out_b, comm=comm, algorithm=algorithm, timeout=60)
+        second.wait()
+        first.wait()
+        assert_matches_native(comm, a, out_a, MPI.SUM)
+        assert_matches_native(comm, b, out_b, MPI.SUM)
+    y = contribution(comm, 100, "float64", seed=7)
+    with mar.plan(y, comm=comm, algorithm=algorithm) as plan:
+        request = mar.iallreduce(a, out_a, comm=comm, algorithm=algorithm)
+        assert_matches_native(comm, y, plan.run(), MPI.SUM)
+        request.wait()
+    assert_matches_native(comm, a, out_a, MPI.SUM)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "rabenseifner"])
+def test_a_started_plan_completes_through_test_and_alongside_a_blocking_call(comm, algorithm):
+    # A started plan's first step is posted at the start; whatever else happens before its
+    # wait (test(), the progress thread while rank 0 blocks in another collective) carries it
+    # on step by step.
+    x, y = contribution(comm, 3001, "float64"), contribution(comm, 17, "int64", seed=5)
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm, algorithm=algorithm) as plan:
+        request = plan.start()
+        while not request.test():
+            pass
+        assert_matches_native(comm, x, out, MPI.SUM)
+        x[:] = contribution(comm, 3001, "float64", seed=9)
+        request = plan.start()
+        if comm.rank == 0:
+            blocking = mar.allreduce(y, comm=comm, algorithm="ring")
+            request.wait()
+        else:
+            request.wait()
+            blocking = mar.allreduce(y, comm=comm, algorithm="ring")
+        assert_matches_native(comm, x, out, MPI.SUM)
+        assert_matches_native(comm, y, blocking, MPI.SUM)
