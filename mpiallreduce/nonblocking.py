@@ -21,7 +21,12 @@ What runs where:
   backing-off pace (50 µs up to :data:`PAUSE_MAX`) while runs are in flight, never blocks in
   MPI and never spins against the caller's computation; it exits after :data:`IDLE_SECONDS`
   without runs. Whichever thread completes a step runs its combines; the engine's lock keeps
-  them apart (the thread only tries it, so it never makes the caller wait).
+  them apart (the thread only tries it, so it never makes the caller wait). A started plan
+  without deadline posts its first step from its flat program (:meth:`Plan.start_lean`); a
+  wait with nothing else in flight runs the rest of that program, anything else first turns
+  it into a stepwise run.
+- **A repeated call** (``iallreduce`` with the same objects) finds its set-up in the
+  communicator's call cache (:class:`_Started`).
 - **A plan without steps of its own** (``reproducible=True``, the shared-memory transport) runs
   whole at ``start``/``iallreduce``, in call order as a blocking call would, and its request is
   complete on return (the same result, no overlap).
