@@ -140,8 +140,7 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
         if topology is None and nranks > 1:
             topology = state.default_topology(deadline, what)
         return shm.build(call, state, topology=topology, timeout=timeout, deadline=deadline,
-                         plan_id=state.take_slot() if explicit else 0, what=what,
-                         claim=explicit and not persistent)
+                         plan_id=state.take_slot() if explicit else 0, what=what)
     if algorithms.get(name).uses_topology and topology is None:
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)

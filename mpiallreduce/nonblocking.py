@@ -653,8 +653,8 @@ def start(plan, timeout: float | None = None) -> Request:
             and plan.timeout is None and plan._phase is _untraced and plan._program \
             and (plan._state is None or not plan._state.broken):
         return _start_lean(plan)
-    if not hasattr(plan, "steps") and not isinstance(plan, NativePlan):
-        return _schedule_request(plan, timeout, owned=False)  # runs whole now
+    if not hasattr(plan, "steps") and type(plan) is not NativePlan:
+        return Request(plan.run(timeout))  # no steps of its own: runs whole now, in call order
     timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
     plan._take_off(True)
     if isinstance(plan, NativePlan):

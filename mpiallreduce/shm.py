@@ -32,7 +32,6 @@ between data and counter on both sides (:data:`FENCE`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import platform
@@ -467,7 +466,6 @@ class ShmPlan(_PlanBase):
         count, dtype = result.size, result.dtype
         source = flat(call.send) if call.send is not None else result
         self._scratch = np.empty(0, dtype=dtype)
-        self._claimed: collections.deque = collections.deque()
         self._local = ()
         for array in (call.send, call.recv):  # a shared array may not be freed under a plan
             memory = getattr(array, "_block", None)
@@ -669,10 +667,7 @@ class ShmPlan(_PlanBase):
             return self.recvbuf
         if node.closed:
             raise ValueError("the communicator of this plan has been freed")
-        if self._claimed:
-            epoch = self._claimed.popleft()
-        else:
-            epoch = node.epoch = node.epoch + 1
+        epoch = node.claim()
         try:
             if node.finished != epoch - 1:
                 node.turn(epoch, deadline, self._label)
@@ -684,23 +679,6 @@ class ShmPlan(_PlanBase):
         return self.recvbuf
 
     __call__ = run
-
-    def claim(self) -> None:
-        """Take this plan's next epoch now, in the caller's thread, for a run that happens later
-        in another thread (``start``, ``iallreduce``): runs then keep call order."""
-        if self._node is not None:
-            self._claimed.append(self._node.claim())
-
-    def start(self, timeout: float | None = None):
-        """Start a run without waiting for it (see :meth:`Plan.start`); its epoch is taken now."""
-        self.claim()
-        try:
-            return super().start(timeout)
-        except BaseException:
-            if self._node is not None:  # never queued: give the epoch back
-                self._claimed.pop()
-                self._node.epoch -= 1
-            raise
 
     def _arrive(self, node: Node, epoch: int, value: int, timeout, deadline, step: int) -> None:
         """Publish ``value``, wait until every peer published ``2 * epoch - 1 + step``, and
@@ -809,13 +787,11 @@ def _describe(name: str, value: int) -> str:
     return str(value)
 
 
-def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
-          claim: bool = False) -> ShmPlan:
+def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str) -> ShmPlan:
     """Bind an shm plan for ``call`` on a one-node communicator.
 
     Raises ValueError (on every rank alike: the topology is agreed) when the communicator spans
     several nodes. The window is made or grown here, from the call's agreed count and dtype.
-    ``claim``: take the run's epoch now (its run happens later, in another thread).
     """
     private = state.private
     nranks = private.Get_size()
@@ -832,7 +808,4 @@ def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but only {node.size} "
                          f"of {nranks} ranks share this one; use 'hierarchical' or 'cascade'")
     node.reserve(call.recv.nbytes, deadline, what)
-    plan = ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state)
-    if claim:
-        plan.claim()  # a run in another thread (iallreduce) keeps its place in call order
-    return plan
+    return ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state)
