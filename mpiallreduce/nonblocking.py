@@ -316,8 +316,15 @@ class _Run:
             lock, runs = self.engine.lock, self.engine.runs
             if lock.acquire(blocking=False):
                 try:
-                    if self.rest is not None and len(runs) == 1:  # runs == [self]
-                        self._finish_lean()
+                    rest = self.rest
+                    if rest is not None and len(runs) == 1:  # runs == [self]
+                        self.rest = None
+                        try:
+                            for call in rest:
+                                call()
+                        except Exception as exc:  # noqa: BLE001 - a user op raised
+                            self.error = exc
+                        self._end()
                         if self.error is not None:
                             raise self.error
                         return
@@ -337,8 +344,7 @@ class _Run:
                     # alone and without deadline: block in MPI step by step, as a blocking run
                     # does (runs holds this run until it ends)
                     while len(runs) == 1 and runs[0] is self:
-                        if self.rest is not None:  # lean, untouched: the rest of the flat run
-                            self._finish_lean()
+                        if self.rest is not None:  # lean, untouched: finished by wait()
                             break
                         if self.requests is not None:
                             MPI.Request.Waitall(self.requests)
@@ -354,15 +360,6 @@ class _Run:
             if not self.finished:
                 self._check_deadline()
         return self._result()
-
-    def _finish_lean(self) -> None:
-        rest, self.rest = self.rest, None
-        try:
-            for call in rest:
-                call()
-        except Exception as exc:  # noqa: BLE001 - a user op raised: handed to wait()
-            self.error = exc
-        self._end()
 
     def _result(self) -> bool:
         if self.finished and self.error is not None:
@@ -677,16 +674,22 @@ def _start_lean(plan) -> Request:
     engine = plan._engine
     if engine is None:
         engine = plan._engine = _engine(plan.comm)
-    with engine.lock:
-        run = _Run(engine, plan, None, False, plan.start_lean())
-        runs = engine.runs
-        runs.append(run)
-        if len(runs) > 1:
+    runs = engine.runs
+    if runs:
+        with engine.lock:
+            run = _Run(engine, plan, None, False, plan.start_lean())
+            runs.append(run)
             engine.progress()  # every start advances the runs in flight
+    else:
+        # Nothing in flight: no lock needed to add a run. Only the caller's thread adds runs
+        # (one thread per communicator) and the progress thread only removes them, under the
+        # lock, from a snapshot; the run is whole before it is appended.
+        run = _Run(engine, plan, None, False, plan.start_lean())
+        runs.append(run)
     request = Request(plan.recvbuf, run, plan.landed)
     plan._in_flight = request
     plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
-    if not run.finished:
+    if engine.thread is None and engine.threaded and not run.finished:
         engine.wake()
     return request
 
