@@ -405,10 +405,13 @@ class _Engine:
             self.wake()
 
     def wake(self) -> None:
-        """Start the thread (threaded) if none runs; call after appending a run."""
+        """Start the thread (threaded) if none runs; call after appending a run.
+
+        Without the guard when a thread is there: a thread that exits first clears
+        ``thread``, then looks at ``runs`` (and stays if it finds one), so a run appended
+        before this look is seen by a thread that is still set here, or this look finds none.
+        """
         if not self.threaded or self.thread is not None:
-            # a running thread sees the run: it checks for runs under the guard before exiting,
-            # and the run was appended before this look
             return
         with self.guard:
             if self.thread is None:
@@ -433,9 +436,13 @@ class _Engine:
                 idle_since = now if idle_since is None else idle_since
                 if now - idle_since > IDLE_SECONDS:
                     with self.guard:
-                        if not self.runs:  # submit appends before it checks the thread
-                            self.thread = None
+                        # clear first, then look (see wake): a run appended by a caller who
+                        # saw this thread set is seen here
+                        me, self.thread = self.thread, None
+                        if not self.runs:
                             return
+                        self.thread = me
+                        idle_since = None
                 pause = PAUSE_MAX
                 continue
             if idle_since is not None:
@@ -689,7 +696,7 @@ def _start_lean(plan) -> Request:
     request = Request(plan.recvbuf, run, plan.landed)
     plan._in_flight = request
     plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
-    if engine.thread is None and engine.threaded and not run.finished:
+    if engine.thread is None and not run.finished:
         engine.wake()
     return request
 
