@@ -36,7 +36,7 @@ from mpi4py import MPI
 import mpiallreduce as mar
 
 from . import algorithms, select
-from .bench import UsageError, human, parse_sizes
+from .sizes import UsageError, human, parse_sizes
 
 DEFAULT_SIZES = "8:64M"
 DEFAULT_REPEATS = 5

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("bench_args", nargs="*", help="after --: more bench arguments")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from mpiallreduce.bench import UsageError, parse_sizes
+    from mpiallreduce.sizes import UsageError, parse_sizes
 
     try:
         sizes = [s for s in parse_sizes(args.sizes) if s >= 8]

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce.bench import UsageError, human, parse_sizes
+from mpiallreduce.sizes import UsageError, human, parse_sizes
 
 
 def _batch(plan, runs: int, comm) -> float:

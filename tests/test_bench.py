@@ -127,7 +127,7 @@ def test_sizes_below_one_element_are_skipped_with_a_note():
 
 def _valid(op: str, dtype: str) -> bool:
     try:
-        mar.ops.reducer(bench._op(op), np.dtype(dtype))
+        mar.ops.reducer(bench.op_of(op), np.dtype(dtype))
     except TypeError:
         return False
     return True
@@ -138,7 +138,7 @@ def _valid(op: str, dtype: str) -> bool:
     for dtype in ("int8", "uint16", "int64", "float32", "complex64", "bool") if _valid(op, dtype)])
 def test_inputs_reduce_exactly_in_any_order(op, dtype):
     """The inputs are chosen so that validation can compare bit for bit."""
-    red = mar.ops.reducer(bench._op(op), np.dtype(dtype))
+    red = mar.ops.reducer(bench.op_of(op), np.dtype(dtype))
     xs = [bench.make_input(257, np.dtype(dtype), op, rank) for rank in range(12)]
     forward, backward = xs[0].copy(), xs[-1].copy()
     for x in xs[1:]:

@@ -1,0 +1,232 @@
+"""The bench's report: header, table rows, closing summary and recommendation, JSON/CSV, plot.
+
+Everything here formats what the measurement gave (:class:`~mpiallreduce.bench.measure.Row`);
+only :func:`metadata` communicates (the node layout, from ``Topology.from_comm``).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import platform
+from dataclasses import asdict
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiallreduce as mar
+
+from ..sizes import human
+from ..topology import RANKS_PER_NODE_ENV, Topology
+from .measure import Row
+from .options import ITERATION_RULE, MPI_CALL, MPI_INIT, Options
+
+
+def _layout(comm, ranks_per_node: int | None) -> tuple[str, int]:
+    """Return (ranks-per-node description, number of nodes) for the header (collective)."""
+    if ranks_per_node is not None:
+        sizes = Topology.simulated(comm.size, ranks_per_node).node_sizes
+        uneven = "" if sizes[-1] == ranks_per_node else f", last node {sizes[-1]}"
+        return (f"{ranks_per_node} (simulated: {RANKS_PER_NODE_ENV}={ranks_per_node}, "
+                f"{len(sizes)} node(s){uneven})"), len(sizes)
+    sizes = Topology.from_comm(comm).node_sizes  # the real layout: ranks per shared-memory node
+    return f"{'/'.join(map(str, sorted(set(sizes))))} (real: {len(sizes)} node(s))", len(sizes)
+
+
+def metadata(comm, opts: Options) -> dict:
+    """Return the run's metadata (the same on every rank except the host name)."""
+    layout, nodes = _layout(comm, opts.ranks_per_node)
+    return {
+        "tool": "mpiallreduce.bench",
+        "version": mar.__version__,
+        # "Open MPI v5.0.11, package: ..." / "MPICH Version:      5.0.2": the first part, one space
+        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+                                .split()),
+        "mpi_library_full": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "mpi4py": __import__("mpi4py").__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ranks": comm.size,
+        "ranks_per_node": layout,
+        "nodes": nodes,
+        "dtype": opts.dtype.name,
+        "op": opts.op,
+        "in_place": opts.in_place,
+        "validate": opts.validate,
+        "algorithms": opts.algorithms,
+        "sizes": opts.sizes,
+        "iterations": (f"fixed {opts.iterations}" if opts.iterations is not None else
+                       ITERATION_RULE),
+        "warmup": (f"fixed {opts.warmup}" if opts.warmup is not None else
+                   "iterations/10, at least 1"),
+        "timer": "MPI.Wtime",
+        "repeat": opts.repeat,
+        "api": opts.apis,
+        "trace": opts.trace,
+    }
+
+
+def header_lines(meta: dict, width: int) -> list[str]:
+    """Return the ``#`` header and the column titles."""
+    return [
+        f"# {meta['tool']} {meta['version']}: allreduce latency and bandwidth (OSU-style)",
+        f"# MPI: {meta['mpi_library']} (MPI {meta['mpi_standard']}); mpi4py {meta['mpi4py']}, "
+        f"numpy {meta['numpy']}, Python {meta['python']}; host {meta['host']}, {meta['date']}",
+        f"# ranks: {meta['ranks']}, ranks per node: {meta['ranks_per_node']}",
+        f"# dtype: {meta['dtype']}, op: {meta['op']}, in place: {'yes' if meta['in_place'] else 'no'}"
+        f", validation: {'on (bit for bit vs comm.Allreduce)' if meta['validate'] else 'off'}",
+        f"# iterations: {meta['iterations']}; warm-up: {meta['warmup']} (untimed); rounds: "
+        f"{meta.get('repeat', 1)} (algorithms interleaved; rows show the median round)",
+        "# time: barrier, then the mean over iterations on each rank; avg/min/max over ranks (us)",
+        "# algbw = size/avg, busbw = algbw*2(p-1)/p (GB/s, 1e9 B/s); "
+        "vs_native = native avg/avg (>1: faster than native)",
+        "#",
+        f"# {'size(B)':>10} {'algorithm':<{width}} {'avg(us)':>11} {'min(us)':>11} {'max(us)':>11} "
+        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'vs_native':>9} check",
+    ]
+
+
+def format_row(row: Row, width: int, spread: bool = False) -> str:
+    """Return ``row`` as a table line; ``spread``: with the rounds' spread (--repeat)."""
+    line = (f"  {row.size:>10} {row.algorithm:<{width}} {row.avg_us:>11.2f} {row.min_us:>11.2f} "
+            f"{row.max_us:>11.2f} {row.algbw_gbs:>11.4f} {row.busbw_gbs:>11.4f} "
+            f"{row.vs_native:>9.2f} {row.check}")
+    if spread:
+        line += (f"  spread {row.avg_lo_us:.2f}-{row.avg_hi_us:.2f} us, "
+                 f"vs_native {row.vs_native_lo:.2f}-{row.vs_native_hi:.2f}")
+    return line
+
+
+def _beats_native(row: Row) -> bool:
+    """Faster than native beyond the measured spread: in every round (--repeat), or, with one
+    round, by at least the 1% that the table's two decimals can show."""
+    if row.repeats > 1:
+        return row.vs_native_lo > 1
+    return round(row.vs_native, 2) > 1
+
+
+def _span(sizes: list[int]) -> str:
+    """Return a run of sizes as "8" or "8-1K"."""
+    return human(sizes[0]) if len(sizes) == 1 else f"{human(sizes[0])}-{human(sizes[-1])}"
+
+
+def recommendations(rows: list[Row]) -> list[str]:
+    """Per range of sizes, the fastest way to call (plan rows; median time), and whether it
+    beats native by more than the spread measured."""
+    plans = [r for r in rows if r.algorithm not in (MPI_CALL, MPI_INIT) and "/" not in r.algorithm]
+    best: dict[int, Row] = {}
+    for row in plans:
+        if row.size not in best or row.avg_us < best[row.size].avg_us:
+            best[row.size] = row
+    groups: list[tuple[str, list[Row]]] = []
+    for size in sorted(best):
+        row = best[size]
+        # auto where it ran native is native: never "faster than native" by noise alone
+        name = row.algorithm if row.runs != "native" and _beats_native(row) else "native"
+        if groups and groups[-1][0] == name:
+            groups[-1][1].append(row)
+        else:
+            groups.append((name, [row]))
+    lines = []
+    for name, group in groups:
+        sizes = [r.size for r in group]
+        if name == "native":
+            close = [f"{r.algorithm} {human(r.size)} ({r.vs_native:.2f}x)" for r in group
+                     if r.algorithm != "native" and r.runs != "native"]
+            note = (f"; ahead by less than the spread: {', '.join(close)}" if close else "")
+            lines.append(f"# recommend {_span(sizes)}: native (nothing beats it beyond the "
+                         f"measured spread{note})")
+        else:
+            ratios = ", ".join(f"{human(r.size)} {r.vs_native:.2f}x" for r in group)
+            spread = ("in every round" if group[0].repeats > 1
+                      else "one round: rerun with --repeat 3 to see the spread")
+            lines.append(f"# recommend {_span(sizes)}: {name} (faster than native: {ratios}; "
+                         f"{spread})")
+    return lines
+
+
+def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
+    """Return one closing line per algorithm (mean busbw, the sizes where it beat native beyond
+    the spread, or its cost against comm.Allreduce for the call modes), then recommendations."""
+    repeats = max((r.repeats for r in rows), default=1)
+    beyond = (f"in all {repeats} rounds" if repeats > 1
+              else "by at least 1%; one round, no spread measured")
+    lines = ["#", f"# summary: mean busbw over sizes; sizes where avg latency beat native ({beyond})"]
+    for name in algorithms:
+        mine = [r for r in rows if r.algorithm == name]
+        if not mine:
+            continue
+        mean = sum(r.busbw_gbs for r in mine) / len(mine)
+        line = f"# {name}: mean busbw {mean:.4f} GB/s over {len(mine)} size(s)"
+        if "/" in name or name in (MPI_CALL, MPI_INIT):
+            base = {r.size: r.avg_us for r in rows if r.algorithm == MPI_CALL}
+            ratios = [f"{human(r.size)} {r.avg_us / base[r.size]:.2f}x" for r in mine
+                      if r.size in base and name != MPI_CALL]
+            if ratios:
+                line += f"; time / comm.Allreduce: {', '.join(ratios)}"
+        elif name != "native":
+            wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if _beats_native(r)]
+            line += (f"; faster than native at {len(wins)} size(s): {', '.join(wins)}" if wins
+                     else "; never faster than native")
+        lines.append(line)
+    return lines + ["#"] + recommendations(rows)
+
+
+def write_json(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
+    """Write metadata, notes and rows as one JSON document (--json)."""
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "notes": notes, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        f.write("\n")
+
+
+def write_csv(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
+    """Write rows as CSV after ``#`` lines of metadata and notes (--csv)."""
+    with open(path, "w", newline="") as f:
+        for key, value in meta.items():
+            f.write(f"# {key}: {value}\n")
+        for note in notes:
+            f.write(f"# note: {note}\n")
+        writer = csv.DictWriter(f, fieldnames=list(Row.__dataclass_fields__))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+
+
+def plot(runs: list[tuple[str, list[dict]]], path: str, title: str) -> None:
+    """Draw latency and busbw against size (log-2 x axis), one line per algorithm and run.
+
+    ``runs`` holds (label suffix, rows as dicts); the sweep script passes one run per rank count.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lat, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
+    colors: dict[str, str] = {}  # one colour per algorithm, one line style per run
+    styles = ("-", "--", ":", "-.")
+    for index, (suffix, rows) in enumerate(runs):
+        for name in dict.fromkeys(r["algorithm"] for r in rows):
+            color = colors.setdefault(name, f"C{len(colors) % 10}")
+            mine = [r for r in rows if r["algorithm"] == name]
+            sizes = [r["size"] for r in mine]
+            style = {"color": color, "linestyle": styles[index % len(styles)], "marker": ".",
+                     "label": f"{name}{suffix}"}
+            ax_lat.plot(sizes, [r["avg_us"] for r in mine], **style)
+            ax_bw.plot(sizes, [r["busbw_gbs"] for r in mine], **style)
+    for ax, ylabel in ((ax_lat, "avg latency (µs)"), (ax_bw, "busbw (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size per rank (B)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    ax_lat.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
