@@ -112,7 +112,13 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
     if topology is None and state is not None and nranks > select.MEASURED_RANKS \
             and select.lookup(select.tables(), nranks, nbytes, red.commutative) is None:
         topology = state.default_topology(deadline, what)
-    return select.choose(nranks, nbytes, red, topology)
+    name = select.choose(nranks, nbytes, red, topology)
+    # a table measured on one node names shm; a communicator of that size across nodes (the
+    # same on every rank: the topology is agreed) gets the built-in choice instead
+    if name == "shm" and nranks > 1 and state is not None \
+            and (topology or state.default_topology(deadline, what)).nnodes > 1:
+        name = select.choose(nranks, nbytes, red, topology, use_tables=False)
+    return name
 
 
 def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,

@@ -87,14 +87,16 @@ FORMAT = "mpiallreduce-tuning/1"
 OP_CLASSES = ("commutative", "noncommutative")
 
 
-def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:
+def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None,
+           use_tables: bool = True) -> str:
     """Return the algorithm name ``auto`` uses; identical on every rank for identical arguments
     (and the same table file, see the module docstring).
 
     Never returns an algorithm that refuses the op: non-commutative ops get ``native`` or,
-    from a measured table, an order-keeping algorithm.
+    from a measured table, an order-keeping algorithm. ``use_tables=False``: the built-in
+    rules and the model only.
     """
-    if nranks > 1 and nbytes > 0:
+    if nranks > 1 and nbytes > 0 and use_tables:
         picked = lookup(tables(), nranks, nbytes, reducer.commutative)
         if picked is not None:
             return picked

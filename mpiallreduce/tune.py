@@ -66,10 +66,12 @@ def _add(inbuf, inoutbuf, datatype):
 
 
 def candidates(op_class: str) -> list[Candidate]:
-    """Return every registered algorithm that accepts ``op_class``, and native, with defaults."""
+    """Return every registered algorithm that accepts ``op_class``, native and the shared-memory
+    transport (it keeps rank order; it refuses a communicator that spans nodes, and
+    :func:`measure` leaves out what refuses), with defaults."""
     names = [name for name, algorithm in algorithms.REGISTRY.items()
              if op_class == "commutative" or not algorithm.commutative_only]
-    return [Candidate(name, name) for name in ["native", *names]]
+    return [Candidate(name, name) for name in ["native", "shm", *names]]
 
 
 def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,

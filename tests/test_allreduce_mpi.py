@@ -409,6 +409,27 @@ def test_auto_runs_the_schedule_it_picks(source, table_of):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_table_that_names_shm_is_followed_on_one_node_and_not_across_nodes(table_of):
+    """``tune`` measures shm on one node; a communicator of the same size spread over nodes
+    gets the built-in choice instead of shm's refusal."""
+    world = MPI.COMM_WORLD
+    table_of(_table(world.size, "shm", "shm"))
+    comm = world.Dup()
+    try:
+        x = contribution(comm, 100, "float64")
+        across = mar.Topology.simulated(comm, ranks_per_node=1)
+        with mar.plan(x, comm=comm, algorithm="auto", topology=across) as p:
+            assert p.algorithm not in ("shm", "auto")
+            assert_matches_native(comm, x, p.run(), MPI.SUM)
+        if mar.Topology.from_comm(comm).nnodes == 1:  # the same on every rank
+            with mar.plan(x, comm=comm, algorithm="auto") as p:
+                assert p.algorithm == "shm"
+                assert_matches_native(comm, x, p.run(), MPI.SUM)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_auto_never_runs_an_algorithm_that_refuses_the_op(table_of):
     """Where auto picks a commutative-only schedule (the ring) for SUM, a non-commutative op of
     the same size gets the order-keeping algorithm of its class and MPI's exact result."""

@@ -138,9 +138,9 @@ def test_decide_merges_equal_neighbours_into_ranges():
 
 def test_candidates_are_every_registered_algorithm_that_accepts_the_op_class():
     from mpiallreduce.algorithms import REGISTRY
-    assert [c.algorithm for c in tune.candidates("commutative")] == ["native", *REGISTRY]
+    assert [c.algorithm for c in tune.candidates("commutative")] == ["native", "shm", *REGISTRY]
     order_keeping = [c.algorithm for c in tune.candidates("noncommutative")]
-    assert "knomial" in order_keeping and "ring" not in order_keeping
+    assert "knomial" in order_keeping and "shm" in order_keeping and "ring" not in order_keeping
 
 
 def test_ring_segmented_default_segment_follows_message_size_and_cache():
