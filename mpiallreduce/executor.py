@@ -8,15 +8,31 @@ built, so :meth:`Plan.run` only starts requests, waits, and combines with NumPy 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
+from ._binding import (  # noqa: F401 - flat and scratch_size are the package's names here too
+    Layout,
+    _BoundStep,
+    _nonempty,
+    _overlaps,
+    _scratch_plan,
+    _Written,
+    flat,
+    scratch_size,
+)
+from ._waiting import (  # noqa: F401 - as the package imports them from here
+    BUSY_TESTS,
+    SPIN_SECONDS,
+    check_timeout,
+    patience,
+    poll,
+    wait_or_fail,
+)
 from .errors import CollectiveTimeout
 from .ops import SCRATCH_COMBINE, Reducer
 from .partition import segments
@@ -33,78 +49,12 @@ STEP_TAGS = 4096
 MAX_MESSAGE = 1 << 30
 
 
-def check_timeout(timeout) -> None:
-    """Raise ValueError unless ``timeout`` is None or a positive number of seconds."""
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-
-
 #: while tracing, the recorder (:mod:`.tracing`) whose ``program(plan, steps)`` a new Plan
 #: runs instead of its plain flat program (and every Plan is then persistent); None: untraced.
 TRACER = None
 
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
 SINGLE_REQUESTS = 4
-
-#: tests a wait with a deadline makes back to back first (a few µs: each drives MPI's progress).
-BUSY_TESTS = 64
-#: seconds a wait with a deadline then spins (yielding the core between tests) before it sleeps.
-SPIN_SECONDS = 2e-3
-
-
-def patience(deadline: float | None, spin: bool = True):
-    """Yield between the tests of a wait until ``deadline`` (time.monotonic; None: forever).
-
-    With ``spin``, yields at once for :data:`SPIN_SECONDS` while giving the core away
-    (``sched_yield``: cheap when nobody else wants it, fair when more ranks than cores share
-    it); then sleeps from 50 µs doubling to 1 ms between tests. A plain ``time.sleep`` of 1 µs
-    sleeps ~60-90 µs on Linux, which made every short wait with a timeout that slow.
-    """
-    now = time.monotonic()
-    if spin:
-        spin_until = now + SPIN_SECONDS if deadline is None else min(now + SPIN_SECONDS, deadline)
-        while now < spin_until:
-            os.sched_yield()
-            yield
-            now = time.monotonic()
-    pause = 5e-5
-    while deadline is None or now <= deadline:
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-        yield
-        now = time.monotonic()
-
-
-def poll(requests, deadline: float) -> bool:
-    """Test ``requests`` until all complete (True) or ``deadline`` (time.monotonic) passes (False).
-
-    Tests :data:`BUSY_TESTS` times back to back (a short collective completes within a few
-    tests), then at the pace of :func:`patience`.
-    """
-    testall = MPI.Request.Testall
-    for _ in range(BUSY_TESTS):
-        if testall(requests):
-            return True
-    for _ in patience(deadline):
-        if testall(requests):
-            return True
-    return testall(requests)
-
-
-def wait_or_fail(requests, deadline: float, fail, reason) -> None:
-    """Poll ``requests`` up to ``deadline``; past it call ``fail(reason(), requests)``, which
-    marks the communicator unusable and raises CollectiveTimeout: the one way a polled
-    collective of the package ends in a timeout. ``reason`` is only built when needed."""
-    if not poll(requests, deadline):
-        fail(reason(), requests)
-        raise AssertionError("fail() must raise")  # pragma: no cover
-
-
-def flat(array: np.ndarray) -> np.ndarray:
-    """Return a 1-D view of a C- or Fortran-contiguous array, in memory order (as MPI reads it)."""
-    return array.reshape(-1, order="A")
 
 
 #: communicators of timed-out plans and of communicators freed after a timeout, deliberately
@@ -133,150 +83,6 @@ def _release(requests: list, owned_comm, broken: list) -> None:
             return
         with contextlib.suppress(MPI.Exception):
             owned_comm.Free()
-
-
-
-@dataclass
-class _BoundStep:
-    """One step bound to buffers: what to post, and what to call once it completes.
-
-    ``before`` are copies made before the step's messages are posted, ``combines`` the
-    argument-free calls made once they complete (copies out of scratch and reductions, bound
-    at plan time; reductions stay ``(received, local, lo, hi, order)`` tuples until
-    :meth:`Plan._bind_reductions` knows every step's sends), ``requests`` the persistent
-    requests (persistent plans only).
-    """
-
-    index: int
-    recvs: list  # (peer, view)
-    sends: list  # (peer, view)
-    before: tuple
-    combines: tuple
-    requests: list
-    defer: bool = False  # combine after posting the next step (see _deferrable)
-    sent: list | None = None  # element ranges sent from the working space (not sendbuf)
-
-
-class _Written:
-    """Which element ranges of the result buffer hold data written by the plan so far.
-
-    Out of place, nothing is copied from sendbuf first: until a range is written (a receive
-    lands in it or a reduction stores into it), the plan reads this rank's contribution from
-    sendbuf, so sends go out of sendbuf and the first reduction of a range reads
-    ``received ∘ sendbuf`` and stores into the result.
-    """
-
-    def __init__(self, written: bool):
-        self.ranges: list[tuple[int, int]] = []
-        self.everything = written  # in place: the result buffer holds the input from the start
-
-    def pieces(self, start: int, stop: int) -> list[tuple[int, int, bool]]:
-        """Split ``[start, stop)`` into ``(lo, hi, written)`` pieces in order."""
-        if self.everything:
-            return [(start, stop, True)]
-        out, position = [], start
-        for lo, hi in self.ranges:
-            if hi <= position or lo >= stop:
-                continue
-            if lo > position:
-                out.append((position, lo, False))
-            out.append((max(lo, position), min(hi, stop), True))
-            position = min(hi, stop)
-        if position < stop:
-            out.append((position, stop, False))
-        return out
-
-    def add(self, start: int, stop: int) -> None:
-        if self.everything or stop <= start:
-            return
-        merged = []
-        for lo, hi in self.ranges:
-            if hi < start or lo > stop:
-                merged.append((lo, hi))
-            else:
-                start, stop = min(lo, start), max(hi, stop)
-        merged.append((start, stop))
-        self.ranges = sorted(merged)
-
-    def missing(self, count: int) -> list[tuple[int, int]]:
-        """Ranges of ``[0, count)`` never written."""
-        return [(lo, hi) for lo, hi, written in self.pieces(0, count) if not written]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a schedule's working space lives, and what is copied in before and out after.
-
-    ``regions`` are flat arrays laid end to end: the schedule's element ``i`` is element ``i`` of
-    their concatenation (allreduce: the result buffer alone; alltoall: send then receive
-    buffer). ``load`` and ``store`` are ``(source, destination)`` pairs of equal-sized flat
-    arrays copied before the first step and after the last one.
-    """
-
-    regions: tuple[np.ndarray, ...]
-    load: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
-    store: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
-
-    @classmethod
-    def allreduce(cls, recvbuf: np.ndarray) -> Layout:
-        """Work in ``recvbuf`` (out of place, the plan reads sendbuf where it has not written)."""
-        return cls((flat(recvbuf),))
-
-    def view(self, start: int, stop: int) -> np.ndarray:
-        """Return the view of schedule elements ``[start, stop)``, which lie in one region."""
-        offset = 0
-        for region in self.regions:
-            end = offset + region.size
-            if start < end:
-                if stop > end:
-                    raise ValueError(f"range [{start}, {stop}) straddles two buffers")
-                return region[start - offset:stop - offset]
-            offset = end
-        raise ValueError(f"range [{start}, {stop}) outside the working space of {offset}")
-
-
-def _overlaps(start: int, stop: int, ranges) -> bool:
-    return any(start < hi and lo < stop for lo, hi in ranges)
-
-
-def _scratch_recvs(step: Step) -> list:
-    """Receives of a step that land in scratch: reduces, and copies into a range being sent."""
-    sent = [(s.start, s.stop) for s in step.sends]
-    return [r for r in step.recvs
-            if r.size and (r.action != COPY or _overlaps(r.start, r.stop, sent))]
-
-
-def _deferrable(step: Step, following: Step | None) -> bool:
-    """May ``step``'s combines wait until ``following``'s messages are posted?
-
-    Yes when ``following`` neither sends nor receives into any range those combines write: the
-    combines then overlap the next step's transfers (a pipelined schedule's segments) and nobody
-    can tell. Scratch is double-buffered for such plans, so the receives never collide there.
-    """
-    targets = [(r.start, r.stop) for r in _scratch_recvs(step)]
-    if not targets or following is None:
-        return False
-    touched = [(m.start, m.stop) for m in (*following.sends, *following.recvs) if m.size]
-    return not any(_overlaps(lo, hi, touched) for lo, hi in targets)
-
-
-def _nonempty(steps: tuple[Step, ...]) -> list[tuple[int, Step]]:
-    return [(index, step) for index, step in enumerate(steps) if step]
-
-
-def _scratch_plan(steps: tuple[Step, ...]) -> tuple[int, list[bool]]:
-    """Return (scratch elements one step needs, whether each non-empty step is deferrable)."""
-    active = [step for _, step in _nonempty(steps)]
-    need = max((sum(r.size for r in _scratch_recvs(step)) for step in active), default=0)
-    defer = [_deferrable(step, active[i + 1] if i + 1 < len(active) else None)
-             for i, step in enumerate(active)]
-    return need, defer
-
-
-def scratch_size(steps: tuple[Step, ...]) -> int:
-    """Elements of scratch the steps need at once (twice a step's need if combines are deferred)."""
-    need, defer = _scratch_plan(steps)
-    return need * (2 if any(defer) else 1)
 
 
 class _PlanBase:

@@ -65,8 +65,8 @@ PACKAGE = "mpiallreduce"
 #: the modules mutated (relative to the repository root)
 TARGETS = sorted(
     [f"{PACKAGE}/algorithms/{p.name}" for p in (ROOT / PACKAGE / "algorithms").glob("*.py")]
-    + [f"{PACKAGE}/{name}" for name in ("partition.py", "ops.py", "executor.py", "_plans.py",
-                                         "api.py")])
+    + [f"{PACKAGE}/{name}" for name in ("partition.py", "ops.py", "executor.py", "_binding.py",
+                                         "_waiting.py", "_plans.py", "api.py")])
 
 #: algorithm names each algorithms/ module defines (the MPI subset's -k expression)
 ALGORITHM_OF = {"ring.py": ["ring"], "ring_segmented.py": ["ring_segmented"],
@@ -303,7 +303,8 @@ def _commands(mutant: Mutant, python: str, mpirun: str, ranks: int) -> list[tupl
         names = ALGORITHM_OF.get(name)
         k = " or ".join(names) if names else MPI_CALL_PATH_K
         return stages + [("mpi", pytest_mpi + ["tests/test_allreduce_mpi.py", "-k", k])]
-    serial = SERIAL_CALL_PATH + (["tests/test_verify.py"] if name == "executor.py" else [])
+    serial = SERIAL_CALL_PATH + (["tests/test_verify.py"]
+                                 if name in ("executor.py", "_binding.py") else [])
     return [("serial", pytest_serial + serial),
             ("mpi", pytest_mpi + ["tests/test_allreduce_mpi.py", "-k", MPI_CALL_PATH_K])]
 
