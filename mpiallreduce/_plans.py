@@ -13,7 +13,7 @@ from mpi4py import MPI
 from . import algorithms, select, shm
 from ._agree import Signature, agree
 from ._checks import ALGORITHMS, Call
-from ._state import CommState
+from ._state import CALLS, CommState
 from .executor import NativePlan, Plan, scratch_size
 from .ops import native_deviates
 
@@ -276,6 +276,25 @@ class Shape(_Known):
     def free(self) -> None:
         if self.plan is not None:
             self.plan.free()
+
+
+def find(key: tuple) -> tuple:
+    """``(key, entry)``: the call cache's entry for ``key`` (None if there is none), and
+    ``key`` itself, or None for both where a parameter value cannot be hashed (not cached)."""
+    try:
+        return key, CALLS.get(key)
+    except TypeError:
+        return None, None
+
+
+def fits(entry, sendbuf, recvbuf, timeout) -> bool:
+    """Whether a cached entry (found by its objects) serves a call with these arrays and this
+    timeout: the dtypes it was bound to (``x.dtype = ...`` since rebinds), the same shape out of
+    place, and a valid timeout (an invalid one goes the cold way, whose checks refuse it)."""
+    return (recvbuf.dtype is entry.dtype
+            and (entry.in_place or (sendbuf.dtype is entry.dtype
+                                    and sendbuf.shape == recvbuf.shape))
+            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)))
 
 
 def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:

@@ -55,7 +55,6 @@ from mpi4py import MPI
 from . import _plans
 from ._agree import Signature, prepare
 from ._checks import allreduce_call, plain_timeout
-from ._state import CALLS
 from ._state import state as comm_state
 from .errors import CollectiveTimeout
 from .executor import (
@@ -515,16 +514,9 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
         _tidy()
     # the entry is found by the identity of the objects (it holds them alive: equal ids are the
     # same objects), as one-shot blocking calls find theirs; key[2] keeps it out of their LAST
-    key = (id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op), algorithm, id(topology),
-           tuple(params.items()) if params else ())
-    try:
-        entry = CALLS.get(key)
-    except TypeError:  # a parameter value that cannot be hashed: no caching
-        entry = key = None
-    if entry is not None and recvbuf.dtype is entry.dtype \
-            and (entry.in_place or (sendbuf.dtype is entry.dtype
-                                    and sendbuf.shape == recvbuf.shape)) \
-            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+    key, entry = _plans.find((id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op),
+                              algorithm, id(topology), tuple(params.items()) if params else ()))
+    if entry is not None and _plans.fits(entry, sendbuf, recvbuf, timeout):
         if check:
             entry.agree(timeout)
         return entry.start(timeout)
