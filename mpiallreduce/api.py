@@ -2,7 +2,8 @@
 
 The call path: local checks (:mod:`._checks`), the agreement across ranks (:mod:`._agree`),
 plan building (:mod:`._plans`) on the communicator's state (:mod:`._state`), then the executor.
-A repeated one-shot call with the same objects skips everything but the agreement and the run.
+A repeated one-shot call with the same objects skips everything but the agreement and the run;
+where the run is ``shm`` the run checks the arguments itself and there is no separate agreement.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         check: agree on count, dtype, op, algorithm, parameters, topology and whether a timeout
             is set across ranks first (one 176-byte ``Allreduce``), so a mismatch or bad input on
             any rank raises the same exception everywhere instead of hanging. Pass the same
-            ``check`` on every rank.
+            ``check`` on every rank. Where the call runs ``shm``, its run compares all of these
+            through the shared headers instead, at no extra cost.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever), covering the
             first call's set-up too; give it on every rank or none. After a timeout,
             mpiallreduce refuses further calls and plans on ``comm``.
@@ -96,7 +98,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             and (entry.in_place or (sendbuf.dtype is entry.dtype
                                     and sendbuf.shape == recvbuf.shape)) \
             and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
-        if check:
+        if check and not entry.fused:  # a fused entry's run checks the arguments itself
             entry.agree(timeout)
         if timeout is None and entry.direct is not None:
             entry.direct(*entry.args)
@@ -107,7 +109,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
                                             params))
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf):
-            if check:
+            if check and not shape.fused:
                 shape.agree(None)
             if shape.schedule:
                 return shape.staged(sendbuf, recvbuf)
@@ -117,7 +119,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
                 np.divide(recvbuf, shape.nranks, out=recvbuf)
             return recvbuf
     call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
+        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
+        checks_itself=_plans.checks_itself)
     if call.recv.size == 0:
         return call.recv
     if key is None and entry is not None:  # LAST's entry, with a new dtype: bind again
