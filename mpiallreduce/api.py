@@ -81,9 +81,13 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
     key = None
     entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
-    if entry is None or entry.objects[1] is not sendbuf or entry.objects[3] is not op \
-            or entry.objects[0] is not comm or entry.algorithm != algorithm \
-            or entry.objects[4] is not topology or entry.params != params:
+    if entry is not None:
+        objects = entry.objects
+        if objects[1] is not sendbuf or objects[3] is not op or objects[0] is not comm \
+                or objects[4] is not topology or entry.algorithm != algorithm \
+                or entry.params != params:
+            entry = None
+    if entry is None:
         key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
                tuple(params.items()) if params else ())
         try:
@@ -100,9 +104,11 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
         if check and not entry.fused:  # a fused entry's run checks the arguments itself
             entry.agree(timeout)
-        if timeout is None and entry.direct is not None:
-            entry.direct(*entry.args)
-            return recvbuf
+        if timeout is None:
+            direct = entry.direct
+            if direct is not None:
+                direct(*entry.args)
+                return recvbuf
         return entry.run(timeout)
     if entry is None and timeout is None and type(recvbuf) is np.ndarray:
         # a call with fresh arrays (a new np.array([dot]) per call): known by its shape
