@@ -14,8 +14,8 @@ The check runs on a duplicate of its own (``CommState.checker``), so a rank that
 (``check=False`` where others check) leaves the others waiting, or timing out, instead of
 matching data with signatures. A one-shot allreduce whose run is ``shm`` skips it altogether
 (``prepare``'s ``checks_itself``): the run's header signature carries these fields and a
-difference raises through :func:`disagree` on every rank (:mod:`.shm`). User ops are told apart only by commutativity: MPI gives no
-rank-independent name for them.
+difference raises through :func:`disagree` on every rank (:mod:`.shm`). User ops are told
+apart only by commutativity: MPI gives no rank-independent name for them.
 """
 
 from __future__ import annotations
