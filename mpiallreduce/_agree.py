@@ -12,8 +12,10 @@ first collective, so it cannot hang) and raise the same exception on every rank.
 
 The check runs on a duplicate of its own (``CommState.checker``), so a rank that skips it
 (``check=False`` where others check) leaves the others waiting, or timing out, instead of
-matching data with signatures. User ops are told apart only by commutativity: MPI gives no
-rank-independent name for them.
+matching data with signatures. A one-shot allreduce whose run is ``shm`` skips it altogether
+(``prepare``'s ``checks_itself``): the run's header signature carries these fields and a
+difference raises through :func:`disagree` on every rank (:mod:`.shm`). User ops are told
+apart only by commutativity: MPI gives no rank-independent name for them.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exceptio
             groups.setdefault(value, []).append(rank)
         problems.append(f"{name} differs: " + "; ".join(
             f"{describe(name, value, names)} on {_ranks(ranks)}" for value, ranks in groups.items()))
+    if not problems:  # the same arguments, but not the same call at this point
+        raise ValueError(f"{what}: ranks run different calls at this point with the same "
+                         f"arguments (plans and calls on this communicator in different orders, "
+                         f"or a call whose arguments some ranks check where others run a plan)")
     raise ValueError(f"{what} called with different arguments on different ranks: "
                      + "; ".join(problems))
 
@@ -125,11 +131,14 @@ def _same_kind(kind: type, message: str) -> Exception:
 
 
 def prepare(what: str, comm, check: bool, local_checks, collective: str = "allreduce",
-            timeout=None):
+            timeout=None, checks_itself=None):
     """Run ``local_checks(comm)`` and, with ``check``, the agreement; return the checked call.
 
     The communicator's state is made first (its duplicates within ``timeout``). With ``check``,
-    any exception the local checks raise on some rank is raised on every rank.
+    any exception the local checks raise on some rank is raised on every rank. Where
+    ``checks_itself(call, state)`` says the call's run compares the agreement's fields itself
+    (``_plans.checks_itself``: an shm run), a call that passed its local checks skips the
+    agreement; a rank whose checks failed runs it, and the others' runs join its exchange.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     check_comm(comm)
@@ -148,6 +157,8 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
     try:
         check_timeout(timeout)
         call = local_checks(comm)
+        if checks_itself is not None and checks_itself(call, state):
+            return call
         signature = Signature(call.signature(timeout))
     except Exception as exc:  # noqa: BLE001 - every kind must reach every rank
         error, signature = exc, Signature(bad_signature())

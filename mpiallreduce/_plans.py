@@ -6,12 +6,13 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from . import algorithms, select, shm
-from ._agree import Signature, agree
+from ._agree import Signature, agree, disagree
 from ._checks import ALGORITHMS, Call
 from ._state import CALLS, CommState
 from .executor import NativePlan, Plan, scratch_size
@@ -145,8 +146,14 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     if name == "shm":  # the node-local shared-memory transport, not a schedule
         if topology is None and nranks > 1:
             topology = state.default_topology(deadline, what)
+        # every run compares the argument-check fields too: an explicit plan's as agreed when
+        # it was built, a one-shot call's with the timeout of the run (as the check would)
+        agreement = ((call.signature(timeout),) * 2 if explicit
+                     else (call.signature(None), call.signature(1.0)))
         return shm.build(call, state, topology=topology, timeout=timeout, deadline=deadline,
-                         plan_id=state.take_slot() if explicit else 0, what=what)
+                         plan_id=state.take_slot() if explicit else 0, what=what,
+                         agreement=agreement,
+                         disagree=partial(_disagree, state.checker, what))
     if algorithms.get(name).uses_topology and topology is None:
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)
@@ -157,6 +164,29 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     return Plan(private, plan_steps, call.send, call.recv, call.reducer, name,
                 persistent=persistent, scratch=scratch, timeout=timeout, state=state,
                 tag_base=tag_base)
+
+
+def _disagree(checker: MPI.Intracomm, what: str, fields: list[int]) -> None:
+    disagree(checker, what, fields, None, ALGORITHMS)
+
+
+def checks_itself(call: Call, state: CommState) -> bool:
+    """Does this one-shot allreduce's run check its own arguments, so that ``check=True`` needs
+    no separate agreement? Where it runs ``shm`` and binds without a collective: the run then
+    compares every rank's signature, the agreement's fields included (:mod:`.shm`), and raises
+    the agreement's message on every rank where they differ.
+
+    Decided from the arguments and from state every rank holds alike (the node, its window,
+    the discovered topology), never from the call cache: a rank whose cache lost the call
+    decides as the ranks that find it. A rank that decides otherwise (its arguments differ)
+    runs the separate check at the same epoch, which the others' runs see and join.
+    """
+    if call.collective != "allreduce":
+        return False
+    topology = call.topology if call.topology is not None else state.topology
+    if topology is None or topology.nnodes != 1:
+        return False  # discovering it would be collective; several nodes never run shm
+    return resolve(call, state.private.Get_size(), state) == "shm" and shm.fits(call, state)
 
 
 # -- the one-shot call cache --------------------------------------------------------------------------
@@ -176,6 +206,7 @@ class _Known:
     what = "allreduce"
 
     def agree(self, timeout) -> None:
+        """The separate agreement check of a repeated call (not for ``fused`` ones)."""
         state = self.state
         agree(state.checker, self.what, self.signatures[timeout is not None], None, ALGORITHMS,
               timeout, state.fail)
@@ -189,11 +220,13 @@ class CallEntry(_Known):
     plan, and the call's signature packed for the agreement check (with and
     without a timeout). ``direct(*args)`` runs it without a deadline: the native call itself,
     with the MPI datatype given so that mpi4py need not infer it, when nothing else is needed
-    (no AVG division, one piece), or a schedule's flat calls; else None and the plan runs.
+    (no AVG division, one piece), a schedule's flat calls, or an shm plan's run; else None and
+    the plan runs. ``fused``: the plan's run checks the arguments itself (an shm plan on a
+    node, :func:`checks_itself`), so ``check=True`` skips :meth:`agree`.
     """
 
     __slots__ = ("plan", "run", "state", "objects", "algorithm", "params", "dtype", "in_place",
-                 "signatures", "nbytes", "direct", "args")
+                 "signatures", "nbytes", "direct", "args", "fused")
 
     def __init__(self, call: Call, plan, state: CommState, objects: tuple):
         self.plan = plan
@@ -207,7 +240,10 @@ class CallEntry(_Known):
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
         self.direct = self.args = None
-        if isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average:
+        self.fused = _fused(plan)
+        if self.fused:
+            self.direct, self.args = plan.direct, ()
+        elif isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average:
             datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
             send, recv = plan.pieces[0]
             self.direct = plan.comm.Allreduce
@@ -220,6 +256,10 @@ class CallEntry(_Known):
 
     def free(self) -> None:
         self.plan.free()
+
+
+def _fused(plan) -> bool:
+    return isinstance(plan, shm.ShmPlan) and plan._node is not None
 
 
 #: most bytes per rank for which a schedule's call is also remembered by its shape, through
@@ -239,9 +279,10 @@ class Shape(_Known):
     """
 
     __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
-                 "allreduce", "schedule", "plan", "staged_call")
+                 "allreduce", "schedule", "plan", "staged_call", "fused")
 
-    def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool):
+    def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool,
+                 fused: bool = False):
         self.state = state
         self.objects = objects  # comm, op, topology as passed
         self.datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
@@ -251,6 +292,7 @@ class Shape(_Known):
         self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         self.allreduce = state.private.Allreduce
         self.schedule = schedule
+        self.fused = fused  # its staged plan runs shm: the run checks the arguments itself
         self.plan = None
         self.staged_call = None
         if schedule:  # the call on staging buffers of its own (not the caller's arrays)
@@ -338,7 +380,8 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
         if (native and len(plan.pieces) == 1) or (not native and call.recv.nbytes <= STAGE_BYTES):
             state.calls.put_shape(
                 shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
-                Shape(call, state, (comm, op, topology), schedule=not native))
+                Shape(call, state, (comm, op, topology), schedule=not native,
+                      fused=_fused(plan)))
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()

@@ -2,7 +2,8 @@
 
 The call path: local checks (:mod:`._checks`), the agreement across ranks (:mod:`._agree`),
 plan building (:mod:`._plans`) on the communicator's state (:mod:`._state`), then the executor.
-A repeated one-shot call with the same objects skips everything but the agreement and the run.
+A repeated one-shot call with the same objects skips everything but the agreement and the run;
+where the run is ``shm`` the run checks the arguments itself and there is no separate agreement.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         check: agree on count, dtype, op, algorithm, parameters, topology and whether a timeout
             is set across ranks first (one 176-byte ``Allreduce``), so a mismatch or bad input on
             any rank raises the same exception everywhere instead of hanging. Pass the same
-            ``check`` on every rank.
+            ``check`` on every rank. Where the call runs ``shm``, its run compares all of these
+            through the shared headers instead, at no extra cost.
         timeout: seconds before :class:`CollectiveTimeout` (default: wait forever), covering the
             first call's set-up too; give it on every rank or none. After a timeout,
             mpiallreduce refuses further calls and plans on ``comm``.
@@ -79,9 +81,13 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
     key = None
     entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
-    if entry is None or entry.objects[1] is not sendbuf or entry.objects[3] is not op \
-            or entry.objects[0] is not comm or entry.algorithm != algorithm \
-            or entry.objects[4] is not topology or entry.params != params:
+    if entry is not None:
+        objects = entry.objects
+        if objects[1] is not sendbuf or objects[3] is not op or objects[0] is not comm \
+                or objects[4] is not topology or entry.algorithm != algorithm \
+                or entry.params != params:
+            entry = None
+    if entry is None:
         key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
                tuple(params.items()) if params else ())
         try:
@@ -96,18 +102,20 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             and (entry.in_place or (sendbuf.dtype is entry.dtype
                                     and sendbuf.shape == recvbuf.shape)) \
             and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
-        if check:
+        if check and not entry.fused:  # a fused entry's run checks the arguments itself
             entry.agree(timeout)
-        if timeout is None and entry.direct is not None:
-            entry.direct(*entry.args)
-            return recvbuf
+        if timeout is None:
+            direct = entry.direct
+            if direct is not None:
+                direct(*entry.args)
+                return recvbuf
         return entry.run(timeout)
     if entry is None and timeout is None and type(recvbuf) is np.ndarray:
         # a call with fresh arrays (a new np.array([dot]) per call): known by its shape
         shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
                                             params))
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf):
-            if check:
+            if check and not shape.fused:
                 shape.agree(None)
             if shape.schedule:
                 return shape.staged(sendbuf, recvbuf)
@@ -117,7 +125,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
                 np.divide(recvbuf, shape.nranks, out=recvbuf)
             return recvbuf
     call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
+        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
+        checks_itself=_plans.checks_itself)
     if call.recv.size == 0:
         return call.recv
     if key is None and entry is not None:  # LAST's entry, with a new dtype: bind again

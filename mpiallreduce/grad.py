@@ -6,7 +6,10 @@
   persistent plan per bucket, starts a bucket's reduction (:func:`mpiallreduce.start`, in the
   progress thread) as soon as all its arrays are marked :meth:`~GradSync.ready`, and unpacks the
   results into the arrays on :meth:`~GradSync.wait`. Buckets start in bucket order on every
-  rank (a complete bucket waits for the ones before it), which the ordering rule needs.
+  rank (a complete bucket waits for the ones before it), which the ordering rule needs. Where a
+  bucket's plan runs ``shm`` (every rank on one node), its flat buffer is a shared array
+  (:func:`mpiallreduce.shared_empty`), so the reduction reads the peers' buckets in place: no
+  copy into or out of the transport (:meth:`~GradSync.free` releases them).
   ``compression="fp16"``/``"bf16"`` sends 16-bit words reduced with float32 combines,
   ``compression=TopK(ratio)`` sends the top-k entries with error feedback
   (:mod:`.compression`, with the error bounds).
@@ -31,6 +34,7 @@ from .compression import TopK
 from .nonblocking import start
 from .ops import AVG
 from .partition import block
+from .shm import shared_empty
 
 #: default bucket cap in bytes (PyTorch DDP's ``bucket_cap_mb=25``).
 BUCKET_BYTES = 25 << 20
@@ -57,6 +61,7 @@ class _Bucket:
     request: object = None
     waiting: int = 0  # members not yet marked ready this step
     solo: bool = False  # ``flat`` is the one member's own memory: nothing to copy
+    shared: bool = False  # ``flat`` is a shared array (the plan runs shm): freed with the sync
 
 
 def _views(bucket: _Bucket, arrays: list):
@@ -155,6 +160,15 @@ class GradSync:
         else:
             bucket.plan = api.plan(MPI.IN_PLACE, bucket.flat, op=self.op, comm=self.comm,
                                    algorithm=self.algorithm)
+            if bucket.plan.algorithm == "shm" and not solo:
+                # one node: bind again on a bucket in the node's shared memory, which the
+                # ranks reduce straight from each other's buckets (the choice is agreed, so
+                # every rank makes the collective shared_empty here)
+                bucket.plan.free()
+                bucket.flat = shared_empty(total, first.dtype, comm=self.comm)
+                bucket.shared = True
+                bucket.plan = api.plan(MPI.IN_PLACE, bucket.flat, op=self.op, comm=self.comm,
+                                       algorithm=self.algorithm)
         return bucket
 
     @property
@@ -257,9 +271,13 @@ class GradSync:
         return self.wait()
 
     def free(self) -> None:
+        """Free the plans, then the shared buckets (collective: on every rank together)."""
         for bucket in self.buckets:
             if bucket.plan is not None:
                 bucket.plan.free()
+        for bucket in self.buckets:
+            if bucket.shared:
+                bucket.flat.free()
 
     def __enter__(self):
         return self

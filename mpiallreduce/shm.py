@@ -21,7 +21,12 @@ Regimes (chosen from the agreed count and dtype, never from per-rank state):
   and a result that is a shared array is written straight into every rank's array.
 
 Every wait checks the peers' signatures first, so ranks that run different calls (count,
-dtype, op, plan, shared-array placement) raise the same ValueError without a message.
+dtype, op, plan, shared-array placement) raise the same ValueError without a message. A data
+signature also carries a digest of the call's argument-check fields (:mod:`._agree`: algorithm
+as requested, parameters, topology, whether a timeout is set, ...), so a one-shot call whose
+run goes through here needs no separate check (``check=True`` is free): a difference there, or
+a peer that checks the arguments of another call at this epoch, sends every rank to the
+agreement's exchange (the plan's ``disagree``), which raises the agreement's message everywhere.
 
 Memory ordering. A rank writes its data and signature, then its counter; a peer reads the
 counter, then the data. x86-64 keeps stores in order with stores and loads with loads (TSO),
@@ -53,12 +58,16 @@ from .partition import block
 HEADER_BYTES = 256
 #: int64 words of a signature area (one per call parity): its kind, a digest of the whole, then
 #: the fields (a peer compares the digest word alone on the hot path). A data
-#: call writes count, dtype, op, plan, send block, send offset, recv block, recv offset; the
-#: argument check (``check=True``) writes the ten fields of :mod:`._agree`.
+#: call writes count, dtype, op, plan, send block, send offset, recv block, recv offset and a
+#: digest of its argument-check fields; the separate argument check (``check=True`` where the
+#: run does not check itself) writes the eleven fields of :mod:`._agree`.
 SIGNATURE_WORDS = 14  # kind, digest, up to 12 fields; two areas fit the header
 KIND_DATA, KIND_CHECK = 1, 2
 DATA_FIELDS = ("count", "dtype", "op", "plan", "shared sendbuf", "sendbuf offset",
                "shared recvbuf", "recvbuf offset")
+#: signature columns (after kind and digest) that say which plan runs on which memory: where
+#: these differ, the local message names them; elsewhere the agreement's exchange does.
+PLACEMENT = tuple(range(2 + DATA_FIELDS.index("plan"), 2 + len(DATA_FIELDS)))
 #: most bytes per rank of the small regime (every rank reduces every slot).
 SMALL_BYTES = 32 << 10
 #: smallest data window per rank (two parity slots); windows grow to the next power of two.
@@ -75,12 +84,16 @@ TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 FENCE = platform.machine().lower() not in TSO_MACHINES
 
 
+def digest(kind: int, fields) -> int:
+    """Python's hash of a tuple of ints, as a non-negative int64: the same in every process
+    (only str/bytes hashes are salted)."""
+    return hash((kind, *(int(field) for field in fields))) & ((1 << 62) - 1)
+
+
 def signature_words(kind: int, fields) -> list[int]:
-    """A signature area's words: kind, digest, fields, zero padding. The digest is Python's
-    hash of a tuple of ints: the same in every process (only str/bytes hashes are salted)."""
+    """A signature area's words: kind, digest, fields, zero padding."""
     fields = [int(field) for field in fields]
-    digest = hash((kind, *fields)) & ((1 << 62) - 1)
-    return [kind, digest, *fields] + [0] * (SIGNATURE_WORDS - 2 - len(fields))
+    return [kind, digest(kind, fields), *fields] + [0] * (SIGNATURE_WORDS - 2 - len(fields))
 
 
 def _round(nbytes: int) -> int:
@@ -190,8 +203,9 @@ class Node:
 
         One epoch like a small call, with no data: the fields of :mod:`._agree` in this
         rank's header, the counter, a read of every header. False (only ever on every rank
-        alike) sends the caller to the exchange of :func:`._agree.disagree`; a peer that runs
-        a data call here instead (``check=False`` on some ranks only) raises ValueError.
+        alike) sends the caller to the exchange of :func:`._agree.disagree`; so does a peer
+        that runs a data call here instead (a call whose run checks itself, ``check=False``, a
+        plan): it sees this check's signature and joins the exchange (:meth:`ShmPlan._mismatch`).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         epoch = self.claim()
@@ -211,15 +225,7 @@ class Node:
                 on_timeout(reason, [], (signature,))
                 raise CollectiveTimeout(reason)
             mine = signature.shm
-            same = True
-            for theirs in self.signatures[parity]:
-                if theirs != mine:
-                    same = False
-                    if theirs[0] != KIND_CHECK:
-                        raise ValueError(
-                            f"{what}: some ranks check the arguments (check=True) where others "
-                            f"run without the check; pass the same check on every rank")
-            return same
+            return all(theirs == mine for theirs in self.signatures[parity])
         finally:
             self.finish(epoch)
 
@@ -456,11 +462,16 @@ class ShmPlan(_PlanBase):
 
     algorithm = "shm"
 
-    def __init__(self, node: Node | None, call, *, plan_id: int, timeout, state):
+    def __init__(self, node: Node | None, call, *, plan_id: int, timeout, state,
+                 agreement=None, disagree=None):
         super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
                          state=state)
         self._node = node
         self._label = "shm allreduce"
+        # the argument-check fields of this call's runs without and with a timeout, and what
+        # raises the agreement's message on every rank from them (see _mismatch)
+        self._agreement = agreement
+        self._disagree = disagree
         red = call.reducer
         result = self._result
         count, dtype = result.size, result.dtype
@@ -488,14 +499,19 @@ class ShmPlan(_PlanBase):
             send_block = None
         if recv_at is None:
             recv_block = None
-        signature = [count, DTYPES.index(dtype), red.index, plan_id,
-                     -1 if send_block is None else send_block.ident,
-                     -1 if send_at is None else send_at,
-                     -1 if recv_block is None else recv_block.ident,
-                     -1 if recv_at is None else recv_at]
-        signature = signature_words(KIND_DATA, signature)
-        self._digest = signature[1]
-        self._signature = memoryview(np.array(signature, dtype=np.int64)).cast("B").cast("q")
+        fields = [count, DTYPES.index(dtype), red.index, plan_id,
+                  -1 if send_block is None else send_block.ident,
+                  -1 if send_at is None else send_at,
+                  -1 if recv_block is None else recv_block.ident,
+                  -1 if recv_at is None else recv_at]
+        # (area words, digest) of a run without and with a timeout: the argument-check fields
+        # folded in as one digest word, so comparing the digest compares them too
+        signed = []
+        for checked in agreement or ((), ()):
+            words = signature_words(KIND_DATA, fields + [digest(KIND_CHECK, checked)])
+            signed.append((memoryview(np.array(words, dtype=np.int64)).cast("B").cast("q"),
+                           words[1]))
+        self._signed = tuple(signed)
         self._peer_digests = tuple(tuple((node.headers[q], lo + 1) for q in node.peers)
                                    for lo, _ in node.areas)
         self._segments = node.segments
@@ -509,6 +525,7 @@ class ShmPlan(_PlanBase):
         if nbytes <= SMALL_BYTES:
             self._run = self._run_small
             self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
+            self.direct = self._bind_direct()
         else:
             self._run = self._run_large
             self._programs = tuple(
@@ -680,9 +697,71 @@ class ShmPlan(_PlanBase):
 
     __call__ = run
 
+    def direct(self) -> None:
+        """Run once without deadline and without the checks of :meth:`run`: for the call
+        cache, which drops its entries before their plans are freed, their shared arrays freed
+        or their communicator broken or freed (the one-shot hot path, ``check=True`` or not).
+        The small regime replaces it with :meth:`_bind_direct`'s closure."""
+        node = self._node
+        epoch = node.epoch = node.epoch + 1
+        try:
+            if node.finished != epoch - 1:
+                node.turn(epoch, None, self._label)
+            self._run(node, epoch, None, None)
+        finally:
+            node.finished = epoch
+            if node.waiting:
+                node.finish(epoch)
+
+    def _bind_direct(self):
+        """:meth:`direct` of the small regime as one closure over the bound state: the
+        :meth:`_run_small` of a run without timeout, written out with locals instead of
+        attribute reads (each shows at 8 bytes)."""
+        node = self._node
+        header, peers, sync, written, areas = (node.header, node.peer_headers, node.sync,
+                                               node.written, node.areas)
+        words, mine = self._signed[0]
+        programs = tuple((load, reduce, digests, parity, node.signatures[parity])
+                         for (load, reduce), digests, parity
+                         in zip(self._programs, self._peer_digests, (0, 1)))
+        arrive, mismatch, label = self._arrive, self._mismatch, self._label
+
+        def direct() -> None:
+            epoch = node.epoch + 1
+            node.epoch = epoch
+            try:
+                if node.finished != epoch - 1:
+                    node.turn(epoch, None, label)
+                load, reduce, digests, parity, signatures = programs[epoch & 1]
+                load()
+                if written[parity] is not words:
+                    lo, hi = areas[parity]
+                    header[lo:hi] = words
+                    written[parity] = words
+                if sync is not None:
+                    sync()
+                header[0] = 2 * epoch
+                target = 2 * epoch - 1
+                for peer in peers:
+                    if peer[0] < target:
+                        arrive(node, epoch, 2 * epoch, None, None, 0)
+                        break
+                else:
+                    if sync is not None:
+                        sync()
+                    for theirs, word in digests:
+                        if theirs[word] != mine:
+                            mismatch(signatures, None)
+                reduce()
+            finally:
+                node.finished = epoch
+                if node.waiting:
+                    node.finish(epoch)
+        return direct
+
     def _arrive(self, node: Node, epoch: int, value: int, timeout, deadline, step: int) -> None:
         """Publish ``value``, wait until every peer published ``2 * epoch - 1 + step``, and
-        (step 0) compare the signatures."""
+        (step 0) compare the signatures (those of a run with or without ``timeout``)."""
         node.publish(value)
         target = 2 * epoch - 1 + step
         for peer in node.peer_headers:
@@ -699,25 +778,27 @@ class ShmPlan(_PlanBase):
                 node.sync()
         if step == 0:
             parity = epoch & 1
-            digest = self._digest
+            mine = self._signed[timeout is not None][1]
             for header, word in self._peer_digests[parity]:
-                if header[word] != digest:
-                    self._mismatch(node.signatures[parity])
+                if header[word] != mine:
+                    self._mismatch(node.signatures[parity], timeout)
 
-    def _sign(self, node: Node, parity: int) -> None:
-        """Write this plan's signature into the area of ``parity``, unless it holds it already
-        (this plan ran the call two epochs ago)."""
-        if node.written[parity] is not self:
+    def _sign(self, node: Node, parity: int, timeout) -> None:
+        """Write this plan's signature (of a run with or without ``timeout``) into the area of
+        ``parity``, unless it holds it already (the same run two epochs ago)."""
+        words = self._signed[timeout is not None][0]
+        if node.written[parity] is not words:
             lo, hi = node.areas[parity]
-            node.header[lo:hi] = self._signature
-            node.written[parity] = self
+            node.header[lo:hi] = words
+            node.written[parity] = words
 
     def _run_small(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
         load, reduce = self._programs[parity]
         load()
-        if node.written[parity] is not self:
-            self._sign(node, parity)
+        words, mine = self._signed[timeout is not None]
+        if node.written[parity] is not words:
+            self._sign(node, parity, timeout)
         # _arrive, written out: this path is what an 8-byte call costs
         if node.sync is not None:
             node.sync()
@@ -730,10 +811,9 @@ class ShmPlan(_PlanBase):
         else:
             if node.sync is not None:
                 node.sync()
-            digest = self._digest
             for header, word in self._peer_digests[parity]:
-                if header[word] != digest:
-                    self._mismatch(node.signatures[parity])
+                if header[word] != mine:
+                    self._mismatch(node.signatures[parity], timeout)
         reduce()
 
     def _run_large(self, node: Node, epoch: int, timeout, deadline) -> None:
@@ -741,7 +821,7 @@ class ShmPlan(_PlanBase):
         load, reduce, pull = self._programs[parity]
         for call in load:
             call()
-        self._sign(node, parity)
+        self._sign(node, parity, timeout)
         self._arrive(node, epoch, 2 * epoch - 1, timeout, deadline, 0)
         for call in reduce:
             call()
@@ -749,12 +829,23 @@ class ShmPlan(_PlanBase):
         for call in pull:
             call()
 
-    def _mismatch(self, signatures) -> None:
+    def _mismatch(self, signatures, timeout) -> None:
+        """Raise the same ValueError on every rank: the peers' signatures differ from ours.
+
+        Every rank reads the same table, so every rank takes the same branch: where the ranks
+        run the same plan on the same memory (a difference in the arguments) or some rank
+        checks the arguments of a call here (:meth:`Node.agree`), all of them exchange their
+        argument-check fields (the agreement's message, naming the field); where plans or
+        shared-array placement differ, the table names them without a message.
+        """
         table = [list(theirs) for theirs in signatures]
-        if any(fields[0] != KIND_DATA for fields in table):
+        data = all(fields[0] == KIND_DATA for fields in table)
+        placed = all(len({fields[column] for fields in table}) == 1 for column in PLACEMENT)
+        if self._disagree is not None and (not data or placed):
+            self._disagree(self._agreement[timeout is not None])
+        if not data:
             raise ValueError("shm allreduce: some ranks run this call while others check the "
-                             "arguments of another (check=True on some ranks only, or calls in "
-                             "different orders)")
+                             "arguments of another (plans and calls in different orders)")
         problems = []
         for column, name in enumerate(DATA_FIELDS, start=2):
             values: dict = {}
@@ -787,11 +878,14 @@ def _describe(name: str, value: int) -> str:
     return str(value)
 
 
-def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str) -> ShmPlan:
+def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
+          agreement=None, disagree=None) -> ShmPlan:
     """Bind an shm plan for ``call`` on a one-node communicator.
 
     Raises ValueError (on every rank alike: the topology is agreed) when the communicator spans
     several nodes. The window is made or grown here, from the call's agreed count and dtype.
+    ``agreement``: the argument-check fields of a run without and with a timeout, folded into
+    every run's signature; ``disagree(fields)`` raises the agreement's message on every rank.
     """
     private = state.private
     nranks = private.Get_size()
@@ -808,4 +902,18 @@ def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str) 
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but only {node.size} "
                          f"of {nranks} ranks share this one; use 'hierarchical' or 'cascade'")
     node.reserve(call.recv.nbytes, deadline, what)
-    return ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state)
+    return ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state,
+                   agreement=agreement, disagree=disagree)
+
+
+def fits(call, state) -> bool:
+    """Would :func:`build` bind ``call`` without a collective (the node exists, its window is
+    large enough, the buffers are live), given that it runs ``shm`` on this communicator?"""
+    node = state.private.Get_attr(KEYVAL)
+    if call.recv.size == 0 or node is None or node.closed or node.size == 1 \
+            or node.size != state.private.Get_size():
+        return False
+    if 2 * _round(call.recv.nbytes) > node.capacity:
+        return False
+    return not any(getattr(array, "_block", None) is not None and array._block.freed
+                   for array in (call.send, call.recv))

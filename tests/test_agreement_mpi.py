@@ -183,7 +183,8 @@ def test_a_plan_checks_once_when_built(monkeypatch, algorithm):
     assert len(calls) == 1
     mar.allreduce(x, comm=comm, algorithm=algorithm)
     mar.allreduce(x, comm=comm, algorithm=algorithm, check=False)
-    assert len(calls) == 2
+    # an shm call's run compares the agreement's fields itself (test_shm_mpi): no separate check
+    assert len(calls) == (1 if algorithm == "shm" else 2)
 
 
 def test_an_intercommunicator_is_refused():

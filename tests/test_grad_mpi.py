@@ -137,6 +137,44 @@ def test_large_gradients_reduce_in_place_in_their_own_memory(algorithm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["shm", "auto"])
+@pytest.mark.parametrize("op", [mar.AVG, MPI.SUM], ids=["AVG", "SUM"])
+def test_buckets_of_shm_plans_are_shared_arrays(algorithm, op):
+    """On one node a bucket whose plan runs shm lives in shared memory (the ranks reduce from
+    each other's buckets in place); results equal comm.Allreduce; free() releases them."""
+    comm = MPI.COMM_WORLD.Dup()
+    one_node = mar.Topology.from_comm(comm).nnodes == 1
+    if not one_node:  # simulated nodes (MPIALLREDUCE_RANKS_PER_NODE): shm refuses, auto skips it
+        algorithm = "auto"
+    # a float64 bucket of 168 kB (large regime; auto runs shm there even oversubscribed), a
+    # float32 one of 20 kB (small regime), an int64 one of 320 B
+    shapes = [((300, 70), "float64"), ((7,), "float64"), ((5000,), "float32"), ((40,), "int64")]
+    if op is mar.AVG:
+        shapes = shapes[:-1]
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    sync = mar.GradSync(grads, comm, op=op, algorithm=algorithm)
+    packed = [b for b in sync.buckets if not b.solo]
+    assert packed
+    for bucket in packed:
+        runs_shm = bucket.plan.algorithm == "shm"
+        assert bucket.shared == runs_shm == isinstance(bucket.flat, mar.SharedArray)
+        if algorithm == "shm":
+            assert runs_shm
+    if algorithm == "auto" and one_node and comm.size > 1:
+        assert max(packed, key=lambda b: b.flat.nbytes).shared  # the 168 kB bucket
+    for step in range(3):
+        fresh = _grads(comm, step + 1, integer_valued=True, shapes=shapes)
+        for g, f in zip(grads, fresh):
+            g[...] = f
+        for got, f in zip(sync.synchronize(), fresh):
+            assert got.dtype == f.dtype and np.array_equal(got, _reference(comm, f, op))
+    shared = [b.flat for b in packed if b.shared]
+    sync.free()
+    assert all(flat.freed for flat in shared)
+    comm.Free()
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("overlap", [True, False, "auto"])
 @pytest.mark.parametrize("algorithm", ["native", "ring"])
 def test_every_overlap_mode_gives_the_sum(overlap, algorithm):

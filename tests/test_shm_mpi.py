@@ -18,7 +18,7 @@ from conftest import (
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import shm
+from mpiallreduce import _agree, _plans, _state, shm
 from mpiallreduce.topology import Topology
 
 pytestmark = pytest.mark.mpi
@@ -336,3 +336,177 @@ def test_a_request_in_flight_and_blocking_calls_keep_call_order(comm):
         out = mar.allreduce(y, comm=comm, algorithm="shm")
         assert_matches_native(comm, x, request.wait(), MPI.SUM)
         assert_matches_native(comm, y, out, MPI.SUM)
+
+
+# -- the argument check folded into the run (check=True costs no epoch of its own) ---------------
+
+def _others(comm, rank: int = 1) -> str:
+    others = [r for r in range(comm.size) if r != rank]
+    return ("rank " if len(others) == 1 else "ranks ") + ", ".join(map(str, others))
+
+
+def _same_everywhere(comm, exc) -> str:
+    messages = comm.allgather((type(exc).__name__, str(exc)))
+    assert len(set(messages)) == 1, f"ranks raised different errors: {messages}"
+    return str(exc)
+
+
+@pytest.fixture
+def dup():
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+def test_a_repeated_checked_call_runs_one_epoch_and_no_separate_check(comm, monkeypatch):
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="shm")
+    node = _state.existing(comm).private.Get_attr(shm.KEYVAL)  # None on one rank
+    checks = []
+    monkeypatch.setattr(_plans, "agree", lambda *args, **kwargs: checks.append(1))
+    monkeypatch.setattr(_agree, "agree", lambda *args, **kwargs: checks.append(1))
+    epoch = 0 if node is None else node.epoch
+    for seed, check in ((1, True), (2, False), (3, True)):
+        x[:] = contribution(comm, 10, "float64", seed=seed)
+        mar.allreduce(x, out, comm=comm, algorithm="shm", check=check)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    # a new call (a miss of the call cache) checks itself too
+    y = contribution(comm, 7, "float64", seed=4)
+    assert_matches_native(comm, y, mar.allreduce(y, comm=comm, algorithm="shm"), MPI.SUM)
+    if comm.size > 1:
+        assert node.epoch - epoch == 4
+        assert checks == []
+    else:  # no shared memory at one rank: the check (of nothing) runs as before
+        assert len(checks) == 3
+
+
+def test_a_rank_whose_cache_lost_the_call_still_meets_the_others(comm):
+    """The call cache differs by rank (evictions by bytes): a rank that binds the call again
+    checks it inside the run as the ranks that find it do, so their epochs stay paired."""
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    for round_ in range(4):
+        if round_ and comm.rank == round_ % comm.size:
+            _state.existing(comm).calls.clear()  # local: no message
+        x[:] = contribution(comm, 10, "float64", seed=round_)
+        mar.allreduce(x, out, comm=comm, algorithm="shm")
+        assert_matches_native(comm, x, out, MPI.SUM)
+        mar.allreduce(MPI.IN_PLACE, x, comm=comm, algorithm="shm")
+        assert_matches_native(comm, contribution(comm, 10, "float64", seed=round_), x, MPI.SUM)
+
+
+def test_check_on_some_ranks_only_is_harmless_on_the_shm_path(comm):
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="shm")  # the node exists: no collective left
+    check = comm.rank % 2 == 0
+    y = contribution(comm, 3000, "float64", seed=1)
+    for _ in range(2):  # a miss of the call cache, then a hit
+        assert_matches_native(comm, y, mar.allreduce(y, comm=comm, algorithm="shm", check=check),
+                              MPI.SUM)
+        mar.allreduce(x, out, comm=comm, algorithm="shm", check=check)
+        assert_matches_native(comm, x, out, MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("field", ["topology", "timeout", "algorithm"])
+@pytest.mark.parametrize("entry", ["allreduce", "plan"])
+def test_fields_only_the_argument_check_covered_raise_in_the_run(dup, field, entry):
+    """Built and run without the separate check (check=False), ranks that differ in a field the
+    data alone does not show raise the agreement's message on every rank from the run."""
+    comm = dup
+    # 160 kB: auto runs shm at every size of one node, oversubscribed too (select.SHM_RULE)
+    x = contribution(comm, 20_000, "float64")
+    mar.allreduce(x, comm=comm, algorithm="shm")  # node and topology exist: nothing collective
+    topology = Topology.from_comm(comm)  # one node (collective: on every rank)
+    odd = comm.rank == 1
+    kwargs = dict(comm=comm, algorithm="shm", check=False)
+    if field == "topology":
+        kwargs["topology"] = topology if odd else None
+        expected = f"topology differs: no topology on {_others(comm)}; a topology with checksum "
+    elif field == "timeout":
+        kwargs["timeout"] = 60 if odd else None
+        expected = f"timeout differs: no timeout on {_others(comm)}; a timeout on rank 1"
+    else:
+        kwargs["algorithm"] = "auto" if odd else "shm"
+        kwargs["topology"] = topology  # auto then runs shm where the rule allows: same size
+        expected = f"algorithm differs: shm on {_others(comm)}; auto on rank 1"
+    with pytest.raises(ValueError) as info:
+        if entry == "allreduce":
+            mar.allreduce(x, **kwargs)
+        else:
+            timeout = kwargs.pop("timeout", None)
+            with mar.plan(x, **kwargs, timeout=timeout) as plan:
+                plan.run()
+    message = _same_everywhere(comm, info.value)
+    assert message.startswith(f"{entry} called with different arguments on different ranks: "
+                              + expected), message
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="shm"), MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cached_checked_call_meets_bad_input_or_other_counts_with_the_agreements_message(dup):
+    comm = dup
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="shm")  # cached: the others run it fused
+    readonly = np.empty_like(x)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError) as info:  # rank 1 runs the separate check, with bad input
+        mar.allreduce(x, readonly if comm.rank == 1 else out, comm=comm, algorithm="shm")
+    assert _same_everywhere(comm, info.value) == (
+        "allreduce: bad input on rank 1: recvbuf is read-only; the result needs a writable buffer")
+    y = contribution(comm, 11, "float64")
+    with pytest.raises(ValueError) as info:  # rank 1 binds another count: its run checks it
+        if comm.rank == 1:
+            mar.allreduce(y, comm=comm, algorithm="shm")
+        else:
+            mar.allreduce(x, out, comm=comm, algorithm="shm")
+    assert _same_everywhere(comm, info.value) == (
+        f"allreduce called with different arguments on different ranks: count differs: 10 on "
+        f"{_others(comm)}; 11 on rank 1")
+    mar.allreduce(x, out, comm=comm, algorithm="shm")
+    assert_matches_native(comm, x, out, MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_plan_and_a_checked_call_in_different_orders_raise_on_every_rank(dup):
+    comm = dup
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="shm")
+    plan = mar.plan(x, np.empty_like(x), comm=comm, algorithm="shm")
+    runs = [plan.run, lambda: mar.allreduce(x, out, comm=comm, algorithm="shm")]
+    if comm.rank == 0:
+        runs.reverse()
+    with pytest.raises(ValueError) as info:
+        runs[0]()
+    assert "plan differs: " in _same_everywhere(comm, info.value)
+    plan.run()  # the same order everywhere: fine again
+    mar.allreduce(x, out, comm=comm, algorithm="shm")
+    assert_matches_native(comm, x, out, MPI.SUM)
+    assert_matches_native(comm, x, plan.recvbuf, MPI.SUM)
+    plan.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_missing_rank_times_out_a_checked_cached_call(monkeypatch):
+    """The run is the check: a checked call's timeout names the missing rank as a run does."""
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    x = contribution(comm, 100, "float64")
+    out = np.empty_like(x)
+    mar.allreduce(x, out, comm=comm, algorithm="shm", timeout=30)  # cached
+    world.Barrier()
+    message = None
+    if comm.rank != 0:
+        with pytest.raises(mar.CollectiveTimeout) as info:
+            mar.allreduce(x, out, comm=comm, algorithm="shm", timeout=0.5)
+        message = str(info.value)
+        with pytest.raises(ValueError, match="timed out"):
+            mar.allreduce(x, out, comm=comm, algorithm="shm")
+    messages = world.allgather(message)
+    assert all("no answer from rank(s) 0 in step 0" in m for m in messages[1:]), messages
+    comm.Free()
