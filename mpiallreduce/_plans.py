@@ -240,7 +240,7 @@ class CallEntry(_Known):
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
         self.direct = self.args = None
-        self.fused = _fused(plan)
+        self.fused = fused(plan)
         if self.fused:
             self.direct, self.args = plan.direct, ()
         elif isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average:
@@ -258,7 +258,8 @@ class CallEntry(_Known):
         self.plan.free()
 
 
-def _fused(plan) -> bool:
+def fused(plan) -> bool:
+    """Whether ``plan``'s run checks the call's arguments itself (an shm plan on a node)."""
     return isinstance(plan, shm.ShmPlan) and plan._node is not None
 
 
@@ -381,7 +382,7 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
             state.calls.put_shape(
                 shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
                 Shape(call, state, (comm, op, topology), schedule=not native,
-                      fused=_fused(plan)))
+                      fused=fused(plan)))
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()

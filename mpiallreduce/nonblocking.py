@@ -517,11 +517,12 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
     key, entry = _plans.find((id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op),
                               algorithm, id(topology), tuple(params.items()) if params else ()))
     if entry is not None and _plans.fits(entry, sendbuf, recvbuf, timeout):
-        if check:
+        if check and not entry.fused:  # a fused entry's run (shm) checks the arguments itself
             entry.agree(timeout)
         return entry.start(timeout)
     call = prepare("iallreduce", comm, check, lambda comm: allreduce_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
+        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
+        checks_itself=_plans.checks_itself)
     if call.recv.size == 0:
         return Request(call.recv)
     state = comm_state(call.comm)
@@ -548,7 +549,8 @@ class _Started(_plans._Known):
     """
 
     __slots__ = ("state", "objects", "algorithm", "params", "dtype", "in_place", "signatures",
-                 "nbytes", "call", "plan", "pieces", "iallreduce", "nranks", "average", "recv")
+                 "nbytes", "call", "plan", "pieces", "iallreduce", "nranks", "average", "recv",
+                 "fused")
     what = "iallreduce"
 
     def __init__(self, call, state, objects: tuple, deadline: float | None):
@@ -579,6 +581,8 @@ class _Started(_plans._Known):
                                      timeout=None, deadline=deadline, what="iallreduce")
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + (0 if self.plan is None else self.plan.nbytes)
+        # an shm plan's run compares the agreement's fields itself (as a blocking call's does)
+        self.fused = self.plan is not None and _plans.fused(self.plan)
 
     def start(self, timeout: float | None, once: bool = False) -> Request:
         """Start one run; ``once``: the entry is not kept (its plan is freed after the run)."""

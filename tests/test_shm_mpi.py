@@ -381,6 +381,30 @@ def test_a_repeated_checked_call_runs_one_epoch_and_no_separate_check(comm, monk
         assert len(checks) == 3
 
 
+def test_a_repeated_checked_iallreduce_runs_one_epoch_and_no_separate_check(comm, monkeypatch):
+    # iallreduce on shm runs whole at the call, with the check folded into its run as a
+    # blocking call's; ranks whose caches differ (rank 0 keeps nothing) still pair their epochs
+    x = contribution(comm, 10, "float64")
+    out = np.empty_like(x)
+    mar.iallreduce(x, out, comm=comm, algorithm="shm").wait()
+    if comm.rank == 0:
+        _state.existing(comm).calls.max_entries = 0
+    node = _state.existing(comm).private.Get_attr(shm.KEYVAL)  # None on one rank
+    checks = []
+    monkeypatch.setattr(_plans, "agree", lambda *args, **kwargs: checks.append(1))
+    monkeypatch.setattr(_agree, "agree", lambda *args, **kwargs: checks.append(1))
+    epoch = 0 if node is None else node.epoch
+    for seed in (1, 2, 3):
+        x[:] = contribution(comm, 10, "float64", seed=seed)
+        assert mar.iallreduce(x, out, comm=comm, algorithm="shm").wait() is out
+        assert_matches_native(comm, x, out, MPI.SUM)
+    if comm.size > 1:
+        assert node.epoch - epoch == 3
+        assert checks == []
+    else:  # no shared memory at one rank: the check (of nothing) runs as before
+        assert len(checks) == 3
+
+
 def test_a_rank_whose_cache_lost_the_call_still_meets_the_others(comm):
     """The call cache differs by rank (evictions by bytes): a rank that binds the call again
     checks it inside the run as the ranks that find it do, so their epochs stay paired."""
