@@ -215,7 +215,13 @@ class _NativeWork:
         # (MPI-4 §6.12), so they and their buffers are kept until they complete (tested at the
         # next call, waited at exit). (A schedule's dropped run stays with its engine, which
         # completes it; and Request has no finalizer, which cost ~0.5 us per request.)
-        if not MPI.Is_finalized() and not MPI.Request.Testall(self.requests):
+        if MPI.Is_finalized():
+            return
+        try:
+            active = not MPI.Request.Testall(self.requests)
+        except MPI.Exception:  # a plan's persistent requests, freed with their plan
+            return
+        if active:
             _DROPPED.append(self)
 
     def test(self) -> bool:
