@@ -261,6 +261,13 @@ class Node:
         self.blocks += 1
         return SharedBlock(self, window, self.blocks)
 
+    def scratch_block(self, nbytes: int) -> SharedBlock:
+        """As :meth:`new_block`, for a layer's internal buffers (reproducible sums' words): the
+        node keeps the window and frees it with the others, never before (collective)."""
+        block = self.new_block(nbytes)
+        self.windows.append(block.window)
+        return block
+
     def close(self) -> None:
         """Free the windows when every rank of the node frees the communicator.
 
