@@ -138,13 +138,13 @@ BLOCK = 1 << 14
 _TABLES: dict = {}
 
 
-def _scale_tables(top: int, least: int, key_shift: int) -> tuple[np.ndarray, np.ndarray]:
-    """``n = min(top - b, least)`` and ``-n`` for every key (``b = key >> key_shift``)."""
+def _scale_tables(top: int, least: int, key_shift: int) -> np.ndarray:
+    """``n = min(top - b, least)`` and ``-n`` for every key (``b = key >> key_shift``): rows."""
     found = _TABLES.get((top, least, key_shift))
     if found is None:
         exponents = np.arange(1 << 16, dtype=np.int32) >> key_shift
         scale = np.minimum(top - exponents, least).astype(np.int32)
-        found = _TABLES[top, least, key_shift] = (scale, -scale)
+        found = _TABLES[top, least, key_shift] = np.stack([scale, -scale])
     return found
 
 
@@ -228,7 +228,8 @@ class ReproduciblePlan(_PlanBase):
         else:
             self._keys = np.empty(size, np.uint16)
             self._words = np.empty((fmt.words, size), np.float64)
-        self._shift = np.empty(size, np.int32)  # n, then -n
+        # n = -(u + offset) per value, and -n: per block (in cache); small runs: both at once
+        self._shift = np.empty((2, min(size, max(BLOCK, SMALL))), np.int32)
         self._own = () if pooled else (self._keys, self._words)
         keys_call = replace(call, send=None, recv=self._keys, algorithm="auto", params={},
                             reducer=reducer(MPI.MAX, np.uint16))
@@ -241,51 +242,73 @@ class ReproduciblePlan(_PlanBase):
         self._bind(top, least, out)
 
     def _bind(self, top: int, least: int, out: np.ndarray) -> None:
-        """The run's NumPy calls, bound once: keys, to words (plain, and with the unit capped
-        at the subnormal spacing), back from words."""
-        fmt, keys, shift, words, values = (self._fmt, self._keys, self._shift, self._words,
-                                           self._values)
+        """The run's NumPy calls, bound once: keys, to words and back from words (plain, and
+        with the unit capped at the subnormal spacing). Arguments are positional and constants
+        0-d arrays: NumPy's cost per call is what small runs pay."""
+        fmt, keys, words, values = self._fmt, self._keys, self._words, self._values
         size = values.size
-        self._key_call = partial(np.bitwise_and, self._top, fmt.key_mask, out=keys)
-        scale = 2.0 ** self._word_bits
         small = size <= SMALL
-        to_words, capped, back = [], [], []
+        mask = np.array(fmt.key_mask, np.uint16)
+        # the exponent fields: a strided copy, then a contiguous mask (faster than one strided
+        # pass); small runs: one call
+        self._key_calls = ((partial(np.bitwise_and, self._top, mask, keys),) if small
+                           else (partial(np.copyto, keys, self._top),
+                                 partial(np.bitwise_and, keys, mask, keys)))
+        scale = 2.0 ** self._word_bits
+        down, up = np.array(-scale), np.array(1 / scale)
+        key_shift, top, least = (np.array(v, np.int32) for v in (fmt.key_shift, top, least))
+        programs: dict = {"to": [], "to capped": [], "back": [], "back capped": []}
+        if small:  # n = -(u + offset) and -n from one table, the cap included
+            table = _scale_tables(int(top), int(least), fmt.key_shift)
+            units = [partial(table.take, keys, 1, self._shift, "clip")]
+            programs["to"] = programs["to capped"] = units
         for start in [0] if small else range(0, size, BLOCK):
             stop = size if small else min(start + BLOCK, size)
-            key, n, x, y = keys[start:stop], shift[start:stop], values[start:stop], \
-                out[start:stop]
-            if small:  # n and -n from tables (the cap included)
-                tables = _scale_tables(top, least, fmt.key_shift)
-                units = [partial(tables[0].take, key, out=n, mode="clip")]
-                capped_units = units
-                back.append(partial(tables[1].take, key, out=n, mode="clip"))
-            else:
-                units = [partial(np.right_shift, key, fmt.key_shift, out=n),
-                         partial(np.subtract, top, n, out=n)]
-                capped_units = units + [partial(np.minimum, n, least, out=n)]
-                back.append(partial(np.negative, n, out=n))
+            key, x, y = keys[start:stop], values[start:stop], out[start:stop]
+            if small:
+                n, minus = self._shift
+                back = back_capped = []
+            else:  # per block, in cache: n, then -n
+                n = minus = self._shift[0, :stop - start]
+                units = [partial(np.right_shift, key, key_shift, n), partial(np.subtract, top, n, n)]
+                programs["to"] += units
+                programs["to capped"] += units + [partial(np.minimum, n, least, out=n)]
+                back = [partial(np.right_shift, key, key_shift, n), partial(np.subtract, n, top, n)]
+                back_capped = back + [partial(np.maximum, n, -least, out=n)]
             if fmt.words == 1:
                 hi = words[0][start:stop]
                 # in float64: exact for float32 input, no float32 underflow
                 convert = [partial(np.ldexp, x, n, out=hi, dtype=np.float64),
-                           partial(np.trunc, hi, out=hi)]
-                back.append(partial(np.ldexp, hi, n, out=y))  # exact, then rounded to float32
+                           partial(np.trunc, hi, hi)]
+                restore = [partial(np.ldexp, hi, minus, y)]  # exact, then rounded to float32
             else:
                 hi, lo = words[0][start:stop], words[1][start:stop]
-                convert = [partial(np.ldexp, x, n, out=lo),  # s = x * 2**n, |s| < 2**bits
-                           partial(np.trunc, lo, out=hi),  # hi = trunc(s)
-                           partial(np.subtract, hi, lo, out=lo),  # hi - s, exact
-                           partial(np.multiply, lo, -scale, out=lo),  # the next bits, 0 as -0
-                           partial(np.trunc, lo, out=lo)]
-                back += [partial(np.multiply, lo, 1 / scale, out=lo),
-                         partial(np.add, lo, hi, out=lo),  # the one rounding
-                         partial(np.ldexp, lo, n, out=y)]  # exact, or inf past the range
-            to_words += units + convert
-            capped += capped_units + convert
+                convert = [partial(np.ldexp, x, n, lo),  # s = x * 2**n, |s| < 2**bits
+                           partial(np.trunc, lo, hi),  # hi = trunc(s)
+                           partial(np.subtract, hi, lo, lo),  # hi - s, exact
+                           partial(np.multiply, lo, down, lo),  # the next bits, 0 as -0
+                           partial(np.trunc, lo, lo)]
+                restore = [partial(np.multiply, lo, up, lo),
+                           partial(np.add, lo, hi, lo),  # the one rounding
+                           partial(np.ldexp, lo, minus, y)]  # exact, or inf past the range
+            programs["to"] += convert
+            programs["to capped"] += convert
+            programs["back"] += back + restore
+            programs["back capped"] += back_capped + restore
         if self._average:
-            back.append(partial(np.divide, out, float(self._nranks), out=out))
+            for name in ("back", "back capped"):
+                programs[name].append(partial(np.divide, out, np.array(float(self._nranks)),
+                                              out))
         self._small = small
-        self._to_words, self._capped, self._back = tuple(to_words), tuple(capped), tuple(back)
+        self._to_words, self._capped, self._back, self._back_capped = (
+            tuple(programs[name]) for name in ("to", "to capped", "back", "back capped"))
+        # one float64: Python floats, the same IEEE operations (see _run_scalar)
+        self._scalar = None
+        if size == 1 and fmt.words == 2:
+            self._scalar = (memoryview(self._top), memoryview(keys), memoryview(values),
+                            memoryview(words).cast("B").cast("d"), memoryview(out),
+                            int(top), fmt.key_shift, scale, 1 / scale,
+                            float(self._nranks) if self._average else None)
 
     @property
     def nbytes(self) -> int:
@@ -296,7 +319,10 @@ class ReproduciblePlan(_PlanBase):
     def run(self, timeout: float | None = None) -> np.ndarray:
         """Sum every rank's values into the result, reproducibly; return the result buffer."""
         timeout, deadline = self._start(timeout)
-        self._key_call()
+        if self._scalar is not None:
+            return self._run_scalar(deadline)
+        for call in self._key_calls:
+            call()
         self._keys_plan.run(_left(deadline))
         return self._sum(deadline)
 
@@ -305,8 +331,9 @@ class ReproduciblePlan(_PlanBase):
     def _sum(self, deadline: float | None) -> np.ndarray:
         """The run after the keys' maxima are in ``_keys``."""
         keys = self._keys
-        largest = int(keys.max())
-        if largest <= self._overflow_key and (self._small or int(keys.min()) >= self._clamp_key):
+        largest = int(np.maximum.reduce(keys))
+        if largest <= self._overflow_key and (
+                self._small or int(np.minimum.reduce(keys)) >= self._clamp_key):
             for call in self._to_words:
                 call()
             self._inner.run(_left(deadline))
@@ -321,13 +348,36 @@ class ReproduciblePlan(_PlanBase):
             if special:
                 specials = self._specials()
             self._inner.run(_left(deadline))  # inf - inf in a combine: NaN, as IEEE says
-            for call in self._back:
+            for call in self._back_capped:
                 call()
         if special:  # one NaN for every NaN (x86's inf - inf is another)
             out = self._out
             found = out[specials]
             found[np.isnan(found)] = np.nan
             out[specials] = found
+        return self.recvbuf
+
+    def _run_scalar(self, deadline: float | None) -> np.ndarray:
+        """One float64 value: the NumPy program's operations on Python floats (IEEE doubles,
+        the same bits), without NumPy's cost per call; the program itself where the key needs
+        care (the same test as :meth:`_sum`, by one unit stricter on overflow: Python's
+        ``ldexp`` raises where NumPy's gives inf)."""
+        top_bits, keys, values, words, out, top, key_shift, scale, up, divisor = self._scalar
+        x = values[0]  # before an in-place result overwrites it
+        keys[0] = top_bits[0] & self._fmt.key_mask
+        self._keys_plan.run(_left(deadline))
+        key = keys[0]
+        if key >= self._overflow_key or key < self._clamp_key:
+            return self._sum(deadline)
+        n = top - (key >> key_shift)
+        s = math.ldexp(x, n)
+        hi = math.copysign(float(math.trunc(s)), s)  # np.trunc, -0 kept
+        rest = (hi - s) * -scale
+        words[0] = hi
+        words[1] = math.copysign(float(math.trunc(rest)), rest)
+        self._inner.run(_left(deadline))
+        total = math.ldexp(words[1] * up + words[0], -n)
+        out[0] = total if divisor is None else total / divisor
         return self.recvbuf
 
     def _specials(self) -> np.ndarray:
