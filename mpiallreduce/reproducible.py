@@ -54,9 +54,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plans, shm
-from ._agree import Signature, agree, prepare
+from ._agree import Signature, agree, disagree, prepare
 from ._checks import ALGORITHMS, allreduce_call
-from ._state import CALLS
+from ._state import CALLS, LAST
 from ._state import state as comm_state
 from .executor import _PlanBase, flat
 from .ops import reducer
@@ -359,13 +359,33 @@ class ReproduciblePlan(_PlanBase):
 
     def _run_scalar(self, deadline: float | None) -> np.ndarray:
         """One float64 value: the NumPy program's operations on Python floats (IEEE doubles,
-        the same bits), without NumPy's cost per call; the program itself where the key needs
-        care (the same test as :meth:`_sum`, by one unit stricter on overflow: Python's
-        ``ldexp`` raises where NumPy's gives inf)."""
-        top_bits, keys, values, words, out, top, key_shift, scale, up, divisor = self._scalar
+        the same bits), without NumPy's cost per call."""
+        top_bits, keys, values = self._scalar[:3]
         x = values[0]  # before an in-place result overwrites it
         keys[0] = top_bits[0] & self._fmt.key_mask
         self._keys_plan.run(_left(deadline))
+        return self._scalar_sum(x, deadline)
+
+    def run_checked(self, node: shm.Node, signature: Signature,
+                    timeout: float | None) -> np.ndarray:
+        """Run one value whose key travels in the argument check over the node's headers
+        (:meth:`.shm.Node.agree_max`): one exchange fewer. Raises as the check does."""
+        timeout, deadline = self._start(timeout)
+        top_bits, keys, values = self._scalar[:3]
+        x = values[0]
+        state = self._state
+        largest = node.agree_max(signature, top_bits[0] & self._fmt.key_mask, timeout,
+                                 "allreduce", state.mark_broken)
+        if largest is None:
+            disagree(state.checker, "allreduce", signature.fields, None, ALGORITHMS)
+        keys[0] = largest
+        return self._scalar_sum(x, deadline)
+
+    def _scalar_sum(self, x: float, deadline: float | None) -> np.ndarray:
+        """The run of one value after its key's maximum is in ``_keys``; the NumPy program
+        where the key needs care (the same test as :meth:`_sum`, by one unit stricter on
+        overflow: Python's ``ldexp`` raises where NumPy's gives inf)."""
+        _, keys, _, words, out, top, key_shift, scale, up, divisor = self._scalar
         key = keys[0]
         if key >= self._overflow_key or key < self._clamp_key:
             return self._sum(deadline)
@@ -443,10 +463,12 @@ class _Entry:
     """A one-shot reproducible plan kept in the communicator's call cache (``_state.CallCache``),
     with its call's signature packed for the agreement check (see :mod:`._agree`)."""
 
-    __slots__ = ("plan", "objects", "dtype", "in_place", "nbytes", "state", "signatures")
+    __slots__ = ("plan", "objects", "algorithm", "params", "dtype", "in_place", "nbytes", "state",
+                 "signatures")
 
     def __init__(self, plan: ReproduciblePlan, objects: tuple, call, state):
         self.plan, self.objects, self.state = plan, objects, state
+        self.algorithm, self.params = call.algorithm, call.params  # as requested
         self.dtype, self.in_place = call.recv.dtype, call.send is None
         agreed = _Agreed(call)
         self.signatures = (Signature(agreed.signature(None)), Signature(agreed.signature(1.0)))
@@ -456,9 +478,13 @@ class _Entry:
         """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
         whose call differs gets the same error as the others) and run."""
         if check_args:
-            state = self.state
-            agree(state.checker, "allreduce", self.signatures[timeout is not None], None,
-                  ALGORITHMS, timeout, state.mark_broken)
+            state, signature = self.state, self.signatures[timeout is not None]
+            if self.plan._scalar is not None:
+                node = state.checker.Get_attr(shm.CHECK_KEYVAL)
+                if node is not None:  # the key travels in the check
+                    return self.plan.run_checked(node, signature, timeout)
+            agree(state.checker, "allreduce", signature, None, ALGORITHMS, timeout,
+                  state.mark_broken)
         return self.plan.run(timeout)
 
     def free(self) -> None:
@@ -471,13 +497,23 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
     A repeated call with the same arrays (and communicator, op, algorithm, topology and
     parameters) skips the local checks and the binding, as plain calls do.
     """
+    if comm is None:
+        comm = _WORLD
+    # the hot path of a repeated call, as mpiallreduce.allreduce's: the entry last bound to
+    # recvbuf, verified object by object (it holds them alive: equal ids are the same objects)
+    entry = LAST.get(("reproducible", id(recvbuf)))
+    if entry is not None and entry.objects[1] is sendbuf and entry.objects[0] is comm \
+            and entry.objects[3] is op and entry.algorithm == algorithm \
+            and entry.objects[4] is topology and entry.params == params \
+            and recvbuf.dtype is entry.dtype and (entry.in_place or sendbuf.dtype is entry.dtype) \
+            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+        return entry.run(check_args, timeout)
     key = None
     if isinstance(recvbuf, np.ndarray) and (sendbuf is MPI.IN_PLACE
                                             or isinstance(sendbuf, np.ndarray)):
         # key[2] is what CallCache files under LAST: never an int, so never a plain call's
-        key = ("reproducible", id(_WORLD if comm is None else comm),
-               ("reproducible", id(recvbuf)), id(sendbuf), id(op), algorithm, id(topology),
-               tuple(sorted(params.items())))
+        key = ("reproducible", id(comm), ("reproducible", id(recvbuf)), id(sendbuf), id(op),
+               algorithm, id(topology), tuple(sorted(params.items())))
         try:
             entry = CALLS.get(key)
         except TypeError:  # a parameter value that cannot be hashed: no caching
