@@ -54,7 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plans, shm
-from ._agree import Signature, agree, disagree, prepare
+from ._agree import Signature, agree, prepare
 from ._checks import ALGORITHMS, allreduce_call
 from ._state import CALLS, LAST
 from ._state import state as comm_state
@@ -131,10 +131,11 @@ def word_bits(nranks: int) -> int:
 #: most float elements for which a run looks its scales up in tables (one NumPy call) rather
 #: than computing them from the keys (two or three): NumPy's cost per call dominates small runs.
 SMALL = 256
-#: float elements a larger run converts per block, so that a block's temporaries (about 30
-#: bytes per element) stay in the core's L2 cache (passes over the whole of a 1M-element array
-#: ran at 0.8-1 ns per element, within blocks of 16K at 0.3-0.5).
-BLOCK = 1 << 14
+#: float elements a larger run converts per block, so that a block's arrays (about 32 bytes per
+#: element: 1 MiB) stay in the core's L2 cache (2 MiB here). Measured on 1M float64 elements,
+#: one process: conversion to words 3.5 ms in one pass per operation, 2.3-2.5 ms in blocks of
+#: 32K or 64K, 2.5-2.9 in blocks of 16K, 3.7 in blocks of 4K (NumPy's cost per call).
+BLOCK = 1 << 15
 _TABLES: dict = {}
 
 
@@ -366,20 +367,16 @@ class ReproduciblePlan(_PlanBase):
         self._keys_plan.run(_left(deadline))
         return self._scalar_sum(x, deadline)
 
-    def run_checked(self, node: shm.Node, signature: Signature,
-                    timeout: float | None) -> np.ndarray:
-        """Run one value whose key travels in the argument check over the node's headers
-        (:meth:`.shm.Node.agree_max`): one exchange fewer. Raises as the check does."""
+    def key(self) -> int:
+        """The key of a one-value plan's value now (what its argument check carries)."""
+        return self._scalar[0][0] & self._fmt.key_mask if self._scalar is not None else 0
+
+    def run_carried(self, largest: int, timeout: float | None) -> np.ndarray:
+        """Run one value whose key's maximum came with the argument check over shared memory
+        (``Signature.carried``): one exchange fewer."""
         timeout, deadline = self._start(timeout)
-        top_bits, keys, values = self._scalar[:3]
-        x = values[0]
-        state = self._state
-        largest = node.agree_max(signature, top_bits[0] & self._fmt.key_mask, timeout,
-                                 "allreduce", state.mark_broken)
-        if largest is None:
-            disagree(state.checker, "allreduce", signature.fields, None, ALGORITHMS)
-        keys[0] = largest
-        return self._scalar_sum(x, deadline)
+        self._scalar[1][0] = largest
+        return self._scalar_sum(self._scalar[2][0], deadline)
 
     def _scalar_sum(self, x: float, deadline: float | None) -> np.ndarray:
         """The run of one value after its key's maximum is in ``_keys``; the NumPy program
@@ -453,9 +450,28 @@ class _Agreed:
         return fields
 
 
-def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+class _Carry:
+    """What a one-shot call's argument check carries over shared memory: the key of a one-value
+    float64 call (0 otherwise), and after the check the largest rank's, or None (the check
+    ran as a collective, or did not run)."""
+
+    def __init__(self):
+        self.largest = None
+
+    @staticmethod
+    def word(agreed) -> int:
+        call = agreed.call
+        if call.recv.size != 1 or call.recv.dtype != np.float64:
+            return 0
+        value = _float_view(call.recv if call.send is None else call.send)
+        fmt = FORMATS[value.dtype]
+        return int(value.view(np.uint16)[fmt.top]) & fmt.key_mask
+
+
+def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params,
+             carry=None):
     agreed = prepare(what, comm, check_args, lambda comm: _Agreed(_checked_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout)
+        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout, carry=carry)
     return agreed.call
 
 
@@ -477,15 +493,16 @@ class _Entry:
     def run(self, check_args: bool, timeout: float | None) -> np.ndarray:
         """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
         whose call differs gets the same error as the others) and run."""
+        plan = self.plan
         if check_args:
             state, signature = self.state, self.signatures[timeout is not None]
-            if self.plan._scalar is not None:
-                node = state.checker.Get_attr(shm.CHECK_KEYVAL)
-                if node is not None:  # the key travels in the check
-                    return self.plan.run_checked(node, signature, timeout)
+            signature.shm[-1] = plan.key()  # carried where the check runs over shared memory
+            signature.carried = None
             agree(state.checker, "allreduce", signature, None, ALGORITHMS, timeout,
                   state.mark_broken)
-        return self.plan.run(timeout)
+            if signature.carried is not None and plan._scalar is not None:
+                return plan.run_carried(signature.carried, timeout)
+        return plan.run(timeout)
 
     def free(self) -> None:
         self.plan.free()
@@ -523,19 +540,28 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
                 and (entry.in_place or sendbuf.dtype is entry.dtype) \
                 and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
             return entry.run(check_args, timeout)
+    # a one-value call's key rides in the check, as a cached call's does (_Entry.run): ranks
+    # whose caches differ still run alike
+    carry = _Carry()
     call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
-                    timeout, params)
+                    timeout, params, carry)
     if call.recv.size == 0:
         return call.recv
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
     bound = ReproduciblePlan(call, state, explicit=False, timeout=None, deadline=deadline,
                              what="allreduce")
+
+    def run():
+        if carry.largest is not None and bound._scalar is not None:
+            return bound.run_carried(carry.largest, timeout)
+        return bound.run(timeout)
+
     if key is not None and state.calls.put(
             key, _Entry(bound, (call.comm, sendbuf, recvbuf, op, topology), call, state)):
-        return bound.run(timeout)
+        return run()
     try:
-        return bound.run(timeout)
+        return run()
     finally:
         bound.free()
 

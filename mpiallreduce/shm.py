@@ -191,19 +191,11 @@ class Node:
         One epoch like a small call, with no data: the fields of :mod:`._agree` in this
         rank's header, the counter, a read of every header. False (only ever on every rank
         alike) sends the caller to the exchange of :func:`._agree.disagree`; a peer that runs
-        a data call here instead (``check=False`` on some ranks only) raises ValueError.
+        a data call here instead (``check=False`` on some ranks only) raises ValueError. The
+        area's last word (padding in every signature) is carried, not compared: where the
+        signatures agree, ``signature.carried`` is the largest rank's (a reproducible sum of
+        one value sends its key there instead of a MAX of its own).
         """
-        return self._check(signature, None, timeout, what, on_timeout) is not None
-
-    def agree_max(self, signature, extra: int, timeout: float | None, what: str,
-                  on_timeout) -> int | None:
-        """As :meth:`agree`, carrying ``extra`` (>= 0) in the area's last word (padding in every
-        signature): the largest rank's ``extra`` where the signatures agree, else None. A
-        reproducible sum of one value sends its key here instead of a MAX of its own."""
-        return self._check(signature, extra, timeout, what, on_timeout)
-
-    def _check(self, signature, extra: int | None, timeout: float | None, what: str,
-               on_timeout) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         epoch = self.claim()
         try:
@@ -211,8 +203,6 @@ class Node:
             parity = epoch & 1
             lo, hi = self.areas[parity]
             self.header[lo:hi] = signature.shm
-            if extra is not None:
-                self.header[hi - 1] = extra
             self.written[parity] = None
             self.publish(2 * epoch)
             missing = self.wait(2 * epoch - 1, deadline)
@@ -223,20 +213,19 @@ class Node:
                           f"runs calls in a different order, or passed check=False)")
                 on_timeout(reason, [], (signature,))
                 raise CollectiveTimeout(reason)
-            mine = signature.shm
+            mine = signature.shm[:-1]
             same = True
-            largest = 0
+            carried = 0
             for theirs in self.signatures[parity]:
-                if extra is not None:
-                    largest = max(largest, theirs[-1])
-                    theirs, mine = theirs[:-1], signature.shm[:-1]
-                if theirs != mine:
+                carried = max(carried, theirs[-1])
+                if theirs[:-1] != mine:
                     same = False
                     if theirs[0] != KIND_CHECK:
                         raise ValueError(
                             f"{what}: some ranks check the arguments (check=True) where others "
                             f"run without the check; pass the same check on every rank")
-            return largest if same else None
+            signature.carried = carried
+            return same
         finally:
             self.finish(epoch)
 

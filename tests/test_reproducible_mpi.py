@@ -235,6 +235,13 @@ def test_one_value_call_disagreeing_on_reproducible_raises_everywhere():
     with pytest.raises(ValueError, match="differ"):
         mar.allreduce(one, out, op=mar.AVG if comm.rank == 0 else MPI.SUM, reproducible=True)
     assert mar.allreduce(one, out, reproducible=True)[0] == comm.size
+    # a cached call on some ranks, fresh arrays on others: the key rides in both checks alike
+    for step in range(4):
+        one[0] = 2.0 ** (step * 300 - 600) * (comm.rank + 1)
+        fresh = comm.rank % 2 == 1
+        got = mar.allreduce(one.copy() if fresh else one, np.empty(1) if fresh else out,
+                            reproducible=True)
+        assert got[0] == 2.0 ** (step * 300 - 600) * comm.size * (comm.size + 1) / 2
 
 
 def test_plans_sharing_the_node_scratch_keep_their_bits():
