@@ -7,8 +7,7 @@ float type once, identically on every rank.
 
 **Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
 chosen per element from the largest exponent among its contributions, agreed with one
-``Allreduce(MAX)`` of 2 bytes per element (the exponent field of each value, in place of its top
-16 bits). A float64 element is held in 2 words of :func:`word_bits` ``= 42`` bits (84 bits
+``Allreduce(MAX)`` of 2 bytes per element (the biased exponent of each value). A float64 element is held in 2 words of :func:`word_bits` ``= 42`` bits (84 bits
 below the top of the largest contribution's binade), a float32 one in 1 word (42 bits). The
 words are integer-valued float64: a sum of ``p`` of them stays below 2**52 (the width shrinks
 past 1023 ranks; at most :data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused:
@@ -80,9 +79,8 @@ class _Format:
         self.bias = (1 << (exponent_bits - 1)) - 2  # |x| < 2**(b - bias) for biased exponent b
         self.min_unit = min_unit  # the subnormal spacing: every value is a multiple of it
         self.max_exponent = 1 << (exponent_bits - 1)  # 2**max_exponent overflows
-        # key = the exponent field, in place in the top 16 bits (the sign and mantissa bits 0)
+        # key = the biased exponent b (all ones: inf and NaN), from the top 16 bits
         self.key_shift = 15 - exponent_bits
-        self.key_mask = self.all_ones << self.key_shift  # also the key of inf and NaN
         self.top = self.dtype.itemsize // 2 - 1 if sys.byteorder == "little" else 0
 
 
@@ -139,13 +137,12 @@ BLOCK = 1 << 15
 _TABLES: dict = {}
 
 
-def _scale_tables(top: int, least: int, key_shift: int) -> np.ndarray:
-    """``n = min(top - b, least)`` and ``-n`` for every key (``b = key >> key_shift``): rows."""
-    found = _TABLES.get((top, least, key_shift))
+def _scale_tables(top: int, least: int, keys: int) -> np.ndarray:
+    """``n = min(top - b, least)`` and ``-n`` for every key ``b`` below ``keys``: rows."""
+    found = _TABLES.get((top, least, keys))
     if found is None:
-        exponents = np.arange(1 << 16, dtype=np.int32) >> key_shift
-        scale = np.minimum(top - exponents, least).astype(np.int32)
-        found = _TABLES[top, least, key_shift] = np.stack([scale, -scale])
+        scale = np.minimum(top - np.arange(keys, dtype=np.int32), least).astype(np.int32)
+        found = _TABLES[top, least, keys] = np.stack([scale, -scale])
     return found
 
 
@@ -178,7 +175,7 @@ def _node_scratch(state, nbytes: int, deadline: float | None, what: str) -> shm.
 class ReproduciblePlan(_PlanBase):
     """An elementwise SUM/AVG whose result bits do not depend on the algorithm or rank order.
 
-    A run: the exponent field of each value (the key), an ``Allreduce(MAX)`` of the keys in
+    A run: the biased exponent of each value (the key), an ``Allreduce(MAX)`` of the keys in
     place, each value scaled by ``2**n`` from its element's key and cut into words
     (``hi = trunc(s)``, then the next ``word_bits`` bits, truncated: rounded toward zero, and a
     zero low word is -0 so that -0 survives), the words summed by ``inner`` (the plan of the
@@ -211,9 +208,9 @@ class ReproduciblePlan(_PlanBase):
         offset = bits if fmt.words > 1 else 0
         top = fmt.bias + fmt.words * bits - offset
         least = -fmt.min_unit - offset
-        self._clamp_key = (top - least) << fmt.key_shift  # keys below: u is the subnormal spacing
+        self._clamp_key = top - least  # keys below: u is the subnormal spacing
         # keys above: the sum may overflow (|sum| < p * 2**e_max)
-        self._overflow_key = (fmt.max_exponent + fmt.bias - nranks.bit_length()) << fmt.key_shift
+        self._overflow_key = fmt.max_exponent + fmt.bias - nranks.bit_length()
         words_call = replace(call, send=None, recv=np.empty(0), reducer=reducer(MPI.SUM,
                                                                                 np.float64))
         words_bytes = fmt.words * size * 8
@@ -249,18 +246,18 @@ class ReproduciblePlan(_PlanBase):
         fmt, keys, words, values = self._fmt, self._keys, self._words, self._values
         size = values.size
         small = size <= SMALL
-        mask = np.array(fmt.key_mask, np.uint16)
-        # the exponent fields: a strided copy, then a contiguous mask (faster than one strided
-        # pass); small runs: one call
-        self._key_calls = ((partial(np.bitwise_and, self._top, mask, keys),) if small
-                           else (partial(np.copyto, keys, self._top),
-                                 partial(np.bitwise_and, keys, mask, keys)))
+        mask, key_shift = np.array(fmt.all_ones, np.uint16), np.array(fmt.key_shift, np.uint16)
+        # the biased exponents: a strided copy of the top 16 bits, then contiguous passes
+        # (faster than a strided one); small runs: two calls
+        self._key_calls = (() if small else (partial(np.copyto, keys, self._top),)) + (
+            partial(np.right_shift, keys if not small else self._top, key_shift, keys),
+            partial(np.bitwise_and, keys, mask, keys))
         scale = 2.0 ** self._word_bits
         down, up = np.array(-scale), np.array(1 / scale)
-        key_shift, top, least = (np.array(v, np.int32) for v in (fmt.key_shift, top, least))
+        top, least = np.array(top, np.int32), np.array(least, np.int32)
         programs: dict = {"to": [], "to capped": [], "back": [], "back capped": []}
         if small:  # n = -(u + offset) and -n from one table, the cap included
-            table = _scale_tables(int(top), int(least), fmt.key_shift)
+            table = _scale_tables(int(top), int(least), fmt.all_ones + 1)
             units = [partial(table.take, keys, 1, self._shift, "clip")]
             programs["to"] = programs["to capped"] = units
         for start in [0] if small else range(0, size, BLOCK):
@@ -271,10 +268,10 @@ class ReproduciblePlan(_PlanBase):
                 back = back_capped = []
             else:  # per block, in cache: n, then -n
                 n = minus = self._shift[0, :stop - start]
-                units = [partial(np.right_shift, key, key_shift, n), partial(np.subtract, top, n, n)]
+                units = [partial(np.subtract, top, key, n)]
                 programs["to"] += units
                 programs["to capped"] += units + [partial(np.minimum, n, least, out=n)]
-                back = [partial(np.right_shift, key, key_shift, n), partial(np.subtract, n, top, n)]
+                back = [partial(np.subtract, key, top, n)]
                 back_capped = back + [partial(np.maximum, n, -least, out=n)]
             if fmt.words == 1:
                 hi = words[0][start:stop]
@@ -308,7 +305,7 @@ class ReproduciblePlan(_PlanBase):
         if size == 1 and fmt.words == 2:
             self._scalar = (memoryview(self._top), memoryview(keys), memoryview(values),
                             memoryview(words).cast("B").cast("d"), memoryview(out),
-                            int(top), fmt.key_shift, scale, 1 / scale,
+                            int(top), scale, 1 / scale,
                             float(self._nranks) if self._average else None)
 
     @property
@@ -342,7 +339,7 @@ class ReproduciblePlan(_PlanBase):
                 call()
             return self.recvbuf
         # the unit capped at the subnormal spacing, an inf or NaN, or a sum that may overflow
-        special = largest == self._fmt.key_mask
+        special = largest == self._fmt.all_ones
         with np.errstate(over="ignore", invalid="ignore"):
             for call in self._capped:
                 call()
@@ -363,13 +360,14 @@ class ReproduciblePlan(_PlanBase):
         the same bits), without NumPy's cost per call."""
         top_bits, keys, values = self._scalar[:3]
         x = values[0]  # before an in-place result overwrites it
-        keys[0] = top_bits[0] & self._fmt.key_mask
+        keys[0] = self.key()
         self._keys_plan.run(_left(deadline))
         return self._scalar_sum(x, deadline)
 
     def key(self) -> int:
         """The key of a one-value plan's value now (what its argument check carries)."""
-        return self._scalar[0][0] & self._fmt.key_mask if self._scalar is not None else 0
+        fmt = self._fmt
+        return (self._scalar[0][0] >> fmt.key_shift) & fmt.all_ones if self._scalar else 0
 
     def run_carried(self, largest: int, timeout: float | None) -> np.ndarray:
         """Run one value whose key's maximum came with the argument check over shared memory
@@ -382,11 +380,11 @@ class ReproduciblePlan(_PlanBase):
         """The run of one value after its key's maximum is in ``_keys``; the NumPy program
         where the key needs care (the same test as :meth:`_sum`, by one unit stricter on
         overflow: Python's ``ldexp`` raises where NumPy's gives inf)."""
-        _, keys, _, words, out, top, key_shift, scale, up, divisor = self._scalar
+        _, keys, _, words, out, top, scale, up, divisor = self._scalar
         key = keys[0]
         if key >= self._overflow_key or key < self._clamp_key:
             return self._sum(deadline)
-        n = top - (key >> key_shift)
+        n = top - key
         s = math.ldexp(x, n)
         hi = math.copysign(float(math.trunc(s)), s)  # np.trunc, -0 kept
         rest = (hi - s) * -scale
@@ -403,7 +401,7 @@ class ReproduciblePlan(_PlanBase):
         Float64 SUM then gives what IEEE addition gives in any order: NaN with any NaN or with
         both infinities, else the infinity present.
         """
-        specials = np.flatnonzero(self._keys == self._fmt.key_mask)
+        specials = np.flatnonzero(self._keys == self._fmt.all_ones)
         values = self._values[specials].astype(np.float64)
         values[np.isfinite(values)] = 0.0
         values[np.isnan(values)] = np.nan  # one payload
@@ -465,7 +463,7 @@ class _Carry:
             return 0
         value = _float_view(call.recv if call.send is None else call.send)
         fmt = FORMATS[value.dtype]
-        return int(value.view(np.uint16)[fmt.top]) & fmt.key_mask
+        return (int(value.view(np.uint16)[fmt.top]) >> fmt.key_shift) & fmt.all_ones
 
 
 def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params,
