@@ -7,8 +7,9 @@ float type once, identically on every rank.
 
 **Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
 chosen per element from the largest exponent among its contributions, agreed with one
-``Allreduce(MAX)`` of 2 bytes per element (the biased exponent of each value). A float64 element is held in 2 words of :func:`word_bits` ``= 42`` bits (84 bits
-below the top of the largest contribution's binade), a float32 one in 1 word (42 bits). The
+``Allreduce(MAX)`` of 2 bytes per element (the biased exponent of each value). A float64
+element is held in 2 words of :func:`word_bits` ``= 42`` bits (84 bits below the top of the
+largest contribution's binade), a float32 one in 1 word (42 bits). The
 words are integer-valued float64: a sum of ``p`` of them stays below 2**52 (the width shrinks
 past 1023 ranks; at most :data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused:
 never a silent wrap), so every partial sum is exact and MPI's float SUM and the schedules'
