@@ -320,6 +320,8 @@ class ReproduciblePlan(_PlanBase):
         timeout, deadline = self._start(timeout)
         if self._scalar is not None:
             return self._run_scalar(deadline)
+        if not self._values.size:
+            return self.recvbuf
         for call in self._key_calls:
             call()
         self._keys_plan.run(_left(deadline))

@@ -270,6 +270,8 @@ def test_plans_sharing_the_node_scratch_keep_their_bits():
     for size, plan in plans.items():
         assert bits(plan.run()) == bits(want[size])
         plan.free()
+    with mar.plan(np.zeros(0), np.empty(0), reproducible=True) as empty:
+        assert empty.run().size == 0
     complex_x = adversarial(comm.rank, 5000, "complex128", seed=7)
     assert bits(mar.allreduce(complex_x, None, op=mar.AVG, reproducible=True)) == bits(
         mar.allreduce(complex_x, None, op=mar.AVG, algorithm="tree", reproducible=True))
