@@ -132,7 +132,9 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
     """Run ``local_checks(comm)`` and, with ``check``, the agreement; return the checked call.
 
     The communicator's state is made first (its duplicates within ``timeout``). With ``check``,
-    any exception the local checks raise on some rank is raised on every rank.
+    any exception the local checks raise on some rank is raised on every rank. ``carry``: an
+    object whose ``word(call)`` (>= 0) the check carries where it runs over shared memory; its
+    ``largest`` is then set to the largest rank's (None where the check ran as a collective).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     check_comm(comm)
