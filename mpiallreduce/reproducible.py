@@ -7,19 +7,21 @@ float type once, identically on every rank.
 
 **Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
 chosen per element from the largest exponent among its contributions, agreed with one
-``Allreduce(MAX)`` of 2 bytes per element (the top 16 bits of each value without the sign: the
-exponent and 4 (float64) or 7 (float32) leading mantissa bits). A float64 element is held in 2
-words of :func:`word_bits` ``= 42`` bits (84 bits below the top of the largest contribution's
-binade), a float32 one in 1 word (42 bits). The words are integer-valued float64: a sum of
-``p`` of them stays below 2**52 (the width shrinks past 1023 ranks; at most
-:data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused: never a silent wrap), so
-every partial sum is exact and MPI's float SUM and the schedules' ``np.add`` give the same words
-in any order, with no conversion between integers and floats on either side. Why two words and
-not three: the words are what the algorithm moves, so their bytes are the cost at large sizes
-(2x the data with 2 words, 3x with 3; docs/usage.md, "Reproducible sums"). Why not binned
-floating-point accumulators (ReproBLAS): merging bins of different exponents needs a
-user-defined combine, a Python callback in every step of every algorithm (and not MPI's
-optimised SUM), or a fixed grid of bins over the whole exponent range, ~25 words per value.
+``Allreduce(MAX)`` of 2 bytes per element (the biased exponent of each value). A float64
+element is held in 2 words of :func:`word_bits` ``= 42`` bits (84 bits below the top of the
+largest contribution's binade), a float32 one in 1 word (42 bits). The
+words are integer-valued float64: a sum of ``p`` of them stays below 2**52 (the width shrinks
+past 1023 ranks; at most :data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused:
+never a silent wrap), so every partial sum is exact and MPI's float SUM and the schedules'
+``np.add`` give the same words in any order, with no conversion between integers and floats on
+either side. Why two words and not three: the words are what the algorithm moves, so their
+bytes are the cost at large sizes (2x the data with 2 words, 3x with 3; docs/usage.md,
+"Reproducible sums"). Why not binned floating-point accumulators (ReproBLAS): merging bins of
+different exponents needs a user-defined combine, a Python callback in every step of every
+algorithm (and not MPI's optimised SUM), or a fixed grid of bins over the whole exponent range,
+~25 words per value. Where the words' sum runs on the shared-memory transport, the keys and
+words live in node-shared memory (:func:`_node_scratch`), so it reduces them in place, with no
+copy in or out.
 
 **Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): one unit for the whole global
 vector, from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
@@ -30,13 +32,13 @@ words of 42 bits. The result depends on the global vector only, never on its spl
 Accuracy (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, or
 ``e_max - 42`` for float32 elementwise): a contribution that is a multiple of ``2**u`` (every
 one of magnitude at least ``2**(e_max-32)``; float32 elementwise ``2**(e_max-19)``) is
-converted exactly, and if all are, the result is the correctly rounded sum (``math.fsum``). Otherwise each
-contribution is rounded down (elementwise) or to nearest (vectors) to a multiple of ``2**u``:
-the error is below ``count * 2**u`` (vectors ``count * 2**(u-1)``) plus half an ulp of the
-result. Special values follow IEEE addition: a NaN anywhere gives NaN, +inf with -inf gives
-NaN, infinities of one sign give that infinity, a true sum beyond the largest float gives an
-infinity of its sign, and -0 only when every contribution is -0. NaN results are the default
-quiet NaN (payloads are not kept).
+converted exactly, and if all are, the result is the correctly rounded sum (``math.fsum``).
+Otherwise each contribution is rounded toward zero (elementwise) or to nearest (vectors) to a
+multiple of ``2**u``: the error is below ``count * 2**u`` (vectors ``count * 2**(u-1)``) plus
+half an ulp of the result. Special values follow IEEE addition: a NaN anywhere gives NaN, +inf
+with -inf gives NaN, infinities of one sign give that infinity, a true sum beyond the largest
+float gives an infinity of its sign, and -0 only when every contribution is -0. NaN results are
+the default quiet NaN (payloads are not kept).
 """
 
 from __future__ import annotations
@@ -44,17 +46,19 @@ from __future__ import annotations
 import math
 import sys
 import time
+import weakref
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _plans
+from . import _plans, shm
 from ._agree import Signature, agree, prepare
 from ._checks import ALGORITHMS, allreduce_call
-from ._state import CALLS
+from ._state import CALLS, LAST
 from ._state import state as comm_state
-from .executor import NativePlan, _PlanBase, flat
+from .executor import _PlanBase, flat
 from .ops import reducer
 
 #: bits of each fixed-point word below its 21 bits of carry headroom.
@@ -76,7 +80,7 @@ class _Format:
         self.bias = (1 << (exponent_bits - 1)) - 2  # |x| < 2**(b - bias) for biased exponent b
         self.min_unit = min_unit  # the subnormal spacing: every value is a multiple of it
         self.max_exponent = 1 << (exponent_bits - 1)  # 2**max_exponent overflows
-        # key = the top 16 bits without the sign: the exponent field, then leading mantissa bits
+        # key = the biased exponent b (all ones: inf and NaN), from the top 16 bits
         self.key_shift = 15 - exponent_bits
         self.top = self.dtype.itemsize // 2 - 1 if sys.byteorder == "little" else 0
 
@@ -114,23 +118,6 @@ def _float_view(array: np.ndarray) -> np.ndarray:
     return values.view(_REAL.get(values.dtype, values.dtype))
 
 
-#: most float elements for which a run looks -u and u up in tables (one call each) rather than
-#: computing them (four): NumPy's cost per call dominates small runs.
-SMALL = 256
-_TABLES: dict = {}
-
-
-def _unit_tables(fmt: _Format, bits: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """``-u - offset`` and ``u`` for every key: |x| < 2**(b - bias), so u = b - bias - bits,
-    never below the subnormal spacing (b = 0, zeros and subnormals, counts as 1)."""
-    found = _TABLES.get((fmt.dtype, bits, offset))
-    if found is None:
-        exponents = np.maximum(np.arange(1 << 16, dtype=np.int32) >> fmt.key_shift, 1)
-        up = np.minimum(fmt.bias + bits - exponents, -fmt.min_unit).astype(np.int32)
-        found = _TABLES[fmt.dtype, bits, offset] = (up - offset, -up)
-    return found
-
-
 def word_bits(nranks: int) -> int:
     """Bits per word for sums of ``nranks`` contributions: 42, fewer past 1023 ranks.
 
@@ -140,15 +127,64 @@ def word_bits(nranks: int) -> int:
     return min(WORD_BITS, 52 - nranks.bit_length())
 
 
+#: most float elements for which a run looks its scales up in tables (one NumPy call) rather
+#: than computing them from the keys (two or three): NumPy's cost per call dominates small runs.
+SMALL = 256
+#: float elements a larger run converts per block, so that a block's arrays (about 32 bytes per
+#: element: 1 MiB) stay in the core's L2 cache (2 MiB here). Measured on 1M float64 elements,
+#: one process: conversion to words 3.5 ms in one pass per operation, 2.3-2.5 ms in blocks of
+#: 32K or 64K, 2.5-2.9 in blocks of 16K, 3.7 in blocks of 4K (NumPy's cost per call).
+BLOCK = 1 << 15
+_TABLES: dict = {}
+
+
+def _scale_tables(top: int, least: int, keys: int) -> np.ndarray:
+    """``n = min(top - b, least)`` and ``-n`` for every key ``b`` below ``keys``: rows."""
+    found = _TABLES.get((top, least, keys))
+    if found is None:
+        scale = np.minimum(top - np.arange(keys, dtype=np.int32), least).astype(np.int32)
+        found = _TABLES[top, least, keys] = np.stack([scale, -scale])
+    return found
+
+
+#: node -> the node-shared scratch of reproducible plans (see _node_scratch)
+_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _node_scratch(state, nbytes: int, deadline: float | None, what: str) -> shm.SharedArray:
+    """Node-shared memory of at least ``nbytes`` for the keys and words of reproducible plans.
+
+    The shared-memory transport reduces arrays in it in place, straight from the peers' (no copy
+    in or out: the words' sum then costs less than the plain call's). One block per node, shared
+    by every reproducible plan on the communicator (runs are one at a time, in the caller's
+    thread), grown to the next power of two when a plan needs more (collective: as the
+    transport's own window, the need only grows at a call where every rank builds its plan,
+    since a rank holding a plan of that size made the call that grew it), and freed with the
+    communicator; plans bound to an outgrown block keep it.
+    """
+    node = shm.node_of(state, deadline, what)
+    found = _SCRATCH.get(node)
+    if found is None or found.nbytes < nbytes:
+        node.meet(deadline, what)
+        block = node.scratch_block(1 << max(nbytes - 1, 1).bit_length())
+        found = np.frombuffer(block.segments[node.rank], dtype=np.uint8).view(shm.SharedArray)
+        found._block = block
+        _SCRATCH[node] = found
+    return found
+
+
 class ReproduciblePlan(_PlanBase):
     """An elementwise SUM/AVG whose result bits do not depend on the algorithm or rank order.
 
-    A run: the top 16 bits of each value without the sign (the key), an ``Allreduce(MAX)`` of
-    the keys, each value converted to words in units of ``2**u`` from its element's key
-    (:meth:`_to_words`), the words summed by ``inner`` (the plan of the requested algorithm,
-    float64 SUM of integers below 2**52: exact), the words rounded back (:meth:`_from_words`).
-    Every buffer is allocated here; a run allocates only for elements with an inf or NaN
-    contribution or an all-tiny zero sum.
+    A run: the biased exponent of each value (the key), an ``Allreduce(MAX)`` of the keys in
+    place, each value scaled by ``2**n`` from its element's key and cut into words
+    (``hi = trunc(s)``, then the next ``word_bits`` bits, truncated: rounded toward zero, and a
+    zero low word is -0 so that -0 survives), the words summed by ``inner`` (the plan of the
+    requested algorithm, float64 SUM of integers below 2**52: exact), then ``hi + lo * 2**-bits``
+    (the one rounding) scaled back. Every step is a flat program of NumPy calls bound here, in
+    blocks of :data:`BLOCK` elements; a run allocates only for elements with an inf or NaN
+    contribution. Keys that need care (inf or NaN, a sum that may overflow, an element whose
+    unit is the subnormal spacing) are seen in the keys' maximum and minimum.
     """
 
     def __init__(self, call, state, *, explicit: bool, timeout: float | None,
@@ -164,102 +200,203 @@ class ReproduciblePlan(_PlanBase):
         size = values.size
         self.algorithm = call.algorithm
         self._fmt = fmt
-        self._word_bits = word_bits(nranks)
-        self._bits = fmt.words * self._word_bits  # fraction bits below an element's top binade
+        self._word_bits = bits = word_bits(nranks)
         self._values = values
-        self._out = _float_view(call.recv)
+        self._out = out = _float_view(call.recv)
         self._top = values.view(np.uint16)[fmt.top::values.itemsize // 2]
-        self._key = np.empty(size, np.uint16)
-        self._max = np.empty(size, np.uint16)
-        self._shift = np.empty(size, np.int32)  # -u - offset, then u
-        self._scaled = np.empty(size if fmt.words == 1 else 0, values.dtype)
-        self._words = np.empty((fmt.words, size), np.float64)
-        # float64: values are scaled straight to the high word's units, 2**(u + word_bits)
-        self._offset = self._word_bits if fmt.words > 1 else 0
-        self._tables = _unit_tables(fmt, self._bits, self._offset) if size <= SMALL else None
-        comm = state.duplicate(deadline, what) if explicit else private
-        self._keys_plan = NativePlan(comm, self._key, self._max, reducer(MPI.MAX, np.uint16),
-                                     state=state, owned=explicit)
-        words = replace(call, send=None, recv=self._words.reshape(-1),
-                        reducer=reducer(MPI.SUM, np.float64))
-        self._inner = _plans.build(words, state, explicit=explicit, persistent=True,
-                                   timeout=None, deadline=deadline, what=what)
-        super().__init__(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state)
+        # a value is scaled by 2**n, n = -(u + offset): to the top word's units, where
+        # u = max(e_max - words * bits, min_unit) and e_max = b - bias (b: its element's key)
+        offset = bits if fmt.words > 1 else 0
+        top = fmt.bias + fmt.words * bits - offset
+        least = -fmt.min_unit - offset
+        self._clamp_key = top - least  # keys below: u is the subnormal spacing
+        # keys above: the sum may overflow (|sum| < p * 2**e_max)
+        self._overflow_key = fmt.max_exponent + fmt.bias - nranks.bit_length()
+        words_call = replace(call, send=None, recv=np.empty(0), reducer=reducer(MPI.SUM,
+                                                                                np.float64))
+        words_bytes = fmt.words * size * 8
+        pooled = (nranks > 1 and words_bytes > shm.SMALL_BYTES
+                  and _plans.resolve(replace(words_call, recv=np.empty(fmt.words * size)),
+                                     nranks, state, deadline, what) == "shm")
+        if pooled:  # keys, then words, in the node's shared scratch
+            keys_bytes = -(-2 * size // 64) * 64
+            scratch = _node_scratch(state, keys_bytes + words_bytes, deadline, what)
+            self._keys = scratch[:2 * size].view(np.uint16)
+            self._words = scratch[keys_bytes:keys_bytes + words_bytes].view(
+                np.float64).reshape(fmt.words, size)
+        else:
+            self._keys = np.empty(size, np.uint16)
+            self._words = np.empty((fmt.words, size), np.float64)
+        # n = -(u + offset) per value, and -n: per block (in cache); small runs: both at once
+        self._shift = np.empty((2, min(size, max(BLOCK, SMALL))), np.int32)
+        self._own = () if pooled else (self._keys, self._words)
+        keys_call = replace(call, send=None, recv=self._keys, algorithm="auto", params={},
+                            reducer=reducer(MPI.MAX, np.uint16))
+        self._keys_plan = _plans.build(keys_call, state, explicit=explicit, persistent=True,
+                                       timeout=None, deadline=deadline, what=what)
+        self._inner = _plans.build(replace(words_call, recv=self._words.reshape(-1)), state,
+                                   explicit=explicit, persistent=True, timeout=None,
+                                   deadline=deadline, what=what)
+        super().__init__(private, call.send, call.recv, call.reducer, timeout=timeout, state=state)
+        self._bind(top, least, out)
+
+    def _bind(self, top: int, least: int, out: np.ndarray) -> None:
+        """The run's NumPy calls, bound once: keys, to words and back from words (plain, and
+        with the unit capped at the subnormal spacing). Arguments are positional and constants
+        0-d arrays: NumPy's cost per call is what small runs pay."""
+        fmt, keys, words, values = self._fmt, self._keys, self._words, self._values
+        size = values.size
+        small = size <= SMALL
+        mask, key_shift = np.array(fmt.all_ones, np.uint16), np.array(fmt.key_shift, np.uint16)
+        # the biased exponents: a strided copy of the top 16 bits, then contiguous passes
+        # (faster than a strided one); small runs: two calls
+        self._key_calls = (() if small else (partial(np.copyto, keys, self._top),)) + (
+            partial(np.right_shift, keys if not small else self._top, key_shift, keys),
+            partial(np.bitwise_and, keys, mask, keys))
+        scale = 2.0 ** self._word_bits
+        down, up = np.array(-scale), np.array(1 / scale)
+        top, least = np.array(top, np.int32), np.array(least, np.int32)
+        programs: dict = {"to": [], "to capped": [], "back": [], "back capped": []}
+        if small:  # n = -(u + offset) and -n from one table, the cap included
+            table = _scale_tables(int(top), int(least), fmt.all_ones + 1)
+            units = [partial(table.take, keys, 1, self._shift, "clip")]
+            programs["to"] = programs["to capped"] = units
+        for start in [0] if small else range(0, size, BLOCK):
+            stop = size if small else min(start + BLOCK, size)
+            key, x, y = keys[start:stop], values[start:stop], out[start:stop]
+            if small:
+                n, minus = self._shift
+                back = back_capped = []
+            else:  # per block, in cache: n, then -n
+                n = minus = self._shift[0, :stop - start]
+                units = [partial(np.subtract, top, key, n)]
+                programs["to"] += units
+                programs["to capped"] += units + [partial(np.minimum, n, least, out=n)]
+                back = [partial(np.subtract, key, top, n)]
+                back_capped = back + [partial(np.maximum, n, -least, out=n)]
+            if fmt.words == 1:
+                hi = words[0][start:stop]
+                # in float64: exact for float32 input, no float32 underflow
+                convert = [partial(np.ldexp, x, n, out=hi, dtype=np.float64),
+                           partial(np.trunc, hi, hi)]
+                restore = [partial(np.ldexp, hi, minus, y)]  # exact, then rounded to float32
+            else:
+                hi, lo = words[0][start:stop], words[1][start:stop]
+                convert = [partial(np.ldexp, x, n, lo),  # s = x * 2**n, |s| < 2**bits
+                           partial(np.trunc, lo, hi),  # hi = trunc(s)
+                           partial(np.subtract, hi, lo, lo),  # hi - s, exact
+                           partial(np.multiply, lo, down, lo),  # the next bits, 0 as -0
+                           partial(np.trunc, lo, lo)]
+                restore = [partial(np.multiply, lo, up, lo),
+                           partial(np.add, lo, hi, lo),  # the one rounding
+                           partial(np.ldexp, lo, minus, y)]  # exact, or inf past the range
+            programs["to"] += convert
+            programs["to capped"] += convert
+            programs["back"] += back + restore
+            programs["back capped"] += back_capped + restore
+        if self._average:
+            for name in ("back", "back capped"):
+                programs[name].append(partial(np.divide, out, np.array(float(self._nranks)),
+                                              out))
+        self._small = small
+        self._to_words, self._capped, self._back, self._back_capped = (
+            tuple(programs[name]) for name in ("to", "to capped", "back", "back capped"))
+        # one float64: Python floats, the same IEEE operations (see _run_scalar)
+        self._scalar = None
+        if size == 1 and fmt.words == 2:
+            self._scalar = (memoryview(self._top), memoryview(keys), memoryview(values),
+                            memoryview(words).cast("B").cast("d"), memoryview(out),
+                            int(top), scale, 1 / scale,
+                            float(self._nranks) if self._average else None)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self._key, self._max, self._shift, self._scaled, self._words)
-        return self._inner.nbytes + int(np.add.reduce([a.nbytes for a in arrays]))
+        arrays = (self._shift, *self._own)
+        return self._inner.nbytes + self._keys_plan.nbytes + int(
+            np.add.reduce([a.nbytes for a in arrays]))
 
     def run(self, timeout: float | None = None) -> np.ndarray:
         """Sum every rank's values into the result, reproducibly; return the result buffer."""
         timeout, deadline = self._start(timeout)
-        np.bitwise_and(self._top, 0x7FFF, out=self._key)
+        if self._scalar is not None:
+            return self._run_scalar(deadline)
+        if not self._values.size:
+            return self.recvbuf
+        for call in self._key_calls:
+            call()
         self._keys_plan.run(_left(deadline))
         return self._sum(deadline)
 
     __call__ = run
 
     def _sum(self, deadline: float | None) -> np.ndarray:
-        """The run after the keys' maxima are in ``_max``."""
-        fmt, keys, shift, tables = self._fmt, self._max, self._shift, self._tables
-        largest = int(keys.max()) >> fmt.key_shift  # the largest biased exponent b
-        special = largest == fmt.all_ones
-        overflow = largest - fmt.bias + self._nranks.bit_length() > fmt.max_exponent
-        if tables is not None:
-            tables[0].take(keys, out=shift, mode="wrap")
-        else:  # the same as the table, in four cheap passes (a gather of 1M costs more)
-            np.right_shift(keys, fmt.key_shift, out=shift)
-            np.maximum(shift, 1, out=shift)
-            np.subtract(fmt.bias + self._bits - self._offset, shift, out=shift)
-            np.minimum(shift, -fmt.min_unit - self._offset, out=shift)
-        if special:
-            with np.errstate(invalid="ignore", over="ignore"):
-                self._to_words()
-            specials = self._specials()
-        else:
-            self._to_words()
-        if special:  # inf - inf in a schedule's combines: NaN, as IEEE says, quietly
-            with np.errstate(invalid="ignore"):
-                self._inner.run(_left(deadline))
-        else:
+        """The run after the keys' maxima are in ``_keys``."""
+        keys = self._keys
+        largest = int(np.maximum.reduce(keys))
+        if largest <= self._overflow_key and (
+                self._small or int(np.minimum.reduce(keys)) >= self._clamp_key):
+            for call in self._to_words:
+                call()
             self._inner.run(_left(deadline))
-        zeros = self._zero_candidates() if int(keys.min()) == 0 else None
-        if tables is not None:
-            tables[1].take(keys, out=shift, mode="wrap")
-        else:
-            np.subtract(-self._offset, shift, out=shift)
-        if overflow or special:
-            with np.errstate(over="ignore", invalid="ignore"):
-                self._from_words()
-        else:
-            self._from_words()
-        out = self._out
+            for call in self._back:
+                call()
+            return self.recvbuf
+        # the unit capped at the subnormal spacing, an inf or NaN, or a sum that may overflow
+        special = largest == self._fmt.all_ones
+        with np.errstate(over="ignore", invalid="ignore"):
+            for call in self._capped:
+                call()
+            if special:
+                specials = self._specials()
+            self._inner.run(_left(deadline))  # inf - inf in a combine: NaN, as IEEE says
+            for call in self._back_capped:
+                call()
         if special:  # one NaN for every NaN (x86's inf - inf is another)
+            out = self._out
             found = out[specials]
             found[np.isnan(found)] = np.nan
             out[specials] = found
-        if zeros is not None:
-            self._negative_zeros(*zeros, deadline)
-        if self._average:
-            np.divide(out, self._nranks, out=out)
         return self.recvbuf
 
-    def _to_words(self) -> None:
-        """Convert each value to its words: ``floor(x * 2**-u) = hi * 2**bits + lo``,
-        lo in [0, 2**bits); a value on the grid of 2**u exactly, any other rounded down (one
-        whose scaled value underflows, toward zero: within a unit all the same)."""
-        words = self._words
-        if self._fmt.words == 1:
-            np.ldexp(self._values, self._shift, out=self._scaled)
-            np.floor(self._scaled, out=words[0])
-            return
-        hi, lo = words
-        np.ldexp(self._values, self._shift, out=lo)  # x * 2**-(u + bits)
-        np.floor(lo, out=hi)
-        np.subtract(lo, hi, out=lo)  # exact
-        np.multiply(lo, 2.0 ** self._word_bits, out=lo)
-        np.floor(lo, out=lo)
+    def _run_scalar(self, deadline: float | None) -> np.ndarray:
+        """One float64 value: the NumPy program's operations on Python floats (IEEE doubles,
+        the same bits), without NumPy's cost per call."""
+        top_bits, keys, values = self._scalar[:3]
+        x = values[0]  # before an in-place result overwrites it
+        keys[0] = self.key()
+        self._keys_plan.run(_left(deadline))
+        return self._scalar_sum(x, deadline)
+
+    def key(self) -> int:
+        """The key of a one-value plan's value now (what its argument check carries)."""
+        fmt = self._fmt
+        return (self._scalar[0][0] >> fmt.key_shift) & fmt.all_ones if self._scalar else 0
+
+    def run_carried(self, largest: int, timeout: float | None) -> np.ndarray:
+        """Run one value whose key's maximum came with the argument check over shared memory
+        (``Signature.carried``): one exchange fewer."""
+        timeout, deadline = self._start(timeout)
+        self._scalar[1][0] = largest
+        return self._scalar_sum(self._scalar[2][0], deadline)
+
+    def _scalar_sum(self, x: float, deadline: float | None) -> np.ndarray:
+        """The run of one value after its key's maximum is in ``_keys``; the NumPy program
+        where the key needs care (the same test as :meth:`_sum`, by one unit stricter on
+        overflow: Python's ``ldexp`` raises where NumPy's gives inf)."""
+        _, keys, _, words, out, top, scale, up, divisor = self._scalar
+        key = keys[0]
+        if key >= self._overflow_key or key < self._clamp_key:
+            return self._sum(deadline)
+        n = top - key
+        s = math.ldexp(x, n)
+        hi = math.copysign(float(math.trunc(s)), s)  # np.trunc, -0 kept
+        rest = (hi - s) * -scale
+        words[0] = hi
+        words[1] = math.copysign(float(math.trunc(rest)), rest)
+        self._inner.run(_left(deadline))
+        total = math.ldexp(words[1] * up + words[0], -n)
+        out[0] = total if divisor is None else total / divisor
+        return self.recvbuf
 
     def _specials(self) -> np.ndarray:
         """Words of elements with an inf or NaN contribution: the inf or NaN itself, else 0.
@@ -267,54 +404,13 @@ class ReproduciblePlan(_PlanBase):
         Float64 SUM then gives what IEEE addition gives in any order: NaN with any NaN or with
         both infinities, else the infinity present.
         """
-        fmt = self._fmt
-        specials = np.flatnonzero((self._max >> fmt.key_shift) == fmt.all_ones)
+        specials = np.flatnonzero(self._keys == self._fmt.all_ones)
         values = self._values[specials].astype(np.float64)
         values[np.isfinite(values)] = 0.0
         values[np.isnan(values)] = np.nan  # one payload
         self._words[:, specials] = 0.0
         self._words[0][specials] = values
         return specials
-
-    def _from_words(self) -> None:
-        """Round ``(hi * 2**bits + lo) * 2**u`` to the float type, once."""
-        shift, out, words = self._shift, self._out, self._words
-        if self._fmt.words == 1:
-            # float64 -> float32 is one correctly rounded conversion; scaling by 2**u is exact
-            # (a subnormal result is a small multiple of 2**u >= 2**-149, so representable)
-            np.copyto(self._scaled, words[0], casting="same_kind")
-            np.ldexp(self._scaled, shift, out=out)
-            return
-        hi, lo = words
-        np.multiply(hi, 2.0 ** self._word_bits, out=hi)  # exact: |hi| < 2**52
-        np.add(hi, lo, out=hi)  # the one rounding
-        np.ldexp(hi, shift, out=out)  # exact, or inf when the true sum overflows
-
-    def _zero_candidates(self) -> tuple[np.ndarray, np.ndarray]:
-        """Elements whose contributions are all below 2**-1026 (float32: 2**-133) in magnitude
-        (only their sum can be -0), and whether this rank's is not -0 (read before an in-place
-        result overwrites it)."""
-        candidates = np.flatnonzero(self._max == 0)
-        values = self._values[candidates]
-        return candidates, (~(np.signbit(values) & (values == 0))).astype(np.uint8)
-
-    def _negative_zeros(self, candidates: np.ndarray, plain: np.ndarray, deadline) -> None:
-        """Give -0 where the sum is zero and every contribution is -0 (IEEE addition's rule).
-
-        Where a candidate's result is zero, one more ``Allreduce(MAX)`` says whether some
-        contribution there was not -0. Every rank holds the same keys and results, so every
-        rank takes the same branch.
-        """
-        out = self._out
-        zero = out[candidates] == 0
-        if not zero.any():
-            return
-        plain = np.ascontiguousarray(plain[zero])
-        found = np.empty_like(plain)
-        with NativePlan(self.comm, plain, found, reducer(MPI.MAX, np.uint8),
-                        state=self._state) as check:
-            check.run(_left(deadline))
-        out[candidates[zero][found == 0]] = -0.0
 
     def free(self) -> None:
         """Release the inner plans (idempotent)."""
@@ -355,9 +451,28 @@ class _Agreed:
         return fields
 
 
-def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+class _Carry:
+    """What a one-shot call's argument check carries over shared memory: the key of a one-value
+    float64 call (0 otherwise), and after the check the largest rank's, or None (the check
+    ran as a collective, or did not run)."""
+
+    def __init__(self):
+        self.largest = None
+
+    @staticmethod
+    def word(agreed) -> int:
+        call = agreed.call
+        if call.recv.size != 1 or call.recv.dtype != np.float64:
+            return 0
+        value = _float_view(call.recv if call.send is None else call.send)
+        fmt = FORMATS[value.dtype]
+        return (int(value.view(np.uint16)[fmt.top]) >> fmt.key_shift) & fmt.all_ones
+
+
+def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params,
+             carry=None):
     agreed = prepare(what, comm, check_args, lambda comm: _Agreed(_checked_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout)
+        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout, carry=carry)
     return agreed.call
 
 
@@ -365,10 +480,12 @@ class _Entry:
     """A one-shot reproducible plan kept in the communicator's call cache (``_state.CallCache``),
     with its call's signature packed for the agreement check (see :mod:`._agree`)."""
 
-    __slots__ = ("plan", "objects", "dtype", "in_place", "nbytes", "state", "signatures")
+    __slots__ = ("plan", "objects", "algorithm", "params", "dtype", "in_place", "nbytes", "state",
+                 "signatures")
 
     def __init__(self, plan: ReproduciblePlan, objects: tuple, call, state):
         self.plan, self.objects, self.state = plan, objects, state
+        self.algorithm, self.params = call.algorithm, call.params  # as requested
         self.dtype, self.in_place = call.recv.dtype, call.send is None
         agreed = _Agreed(call)
         self.signatures = (Signature(agreed.signature(None)), Signature(agreed.signature(1.0)))
@@ -377,11 +494,16 @@ class _Entry:
     def run(self, check_args: bool, timeout: float | None) -> np.ndarray:
         """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
         whose call differs gets the same error as the others) and run."""
+        plan = self.plan
         if check_args:
-            state = self.state
-            agree(state.checker, "allreduce", self.signatures[timeout is not None], None,
-                  ALGORITHMS, timeout, state.mark_broken)
-        return self.plan.run(timeout)
+            state, signature = self.state, self.signatures[timeout is not None]
+            signature.shm[-1] = plan.key()  # carried where the check runs over shared memory
+            signature.carried = None
+            agree(state.checker, "allreduce", signature, None, ALGORITHMS, timeout,
+                  state.mark_broken)
+            if signature.carried is not None and plan._scalar is not None:
+                return plan.run_carried(signature.carried, timeout)
+        return plan.run(timeout)
 
     def free(self) -> None:
         self.plan.free()
@@ -393,13 +515,23 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
     A repeated call with the same arrays (and communicator, op, algorithm, topology and
     parameters) skips the local checks and the binding, as plain calls do.
     """
+    if comm is None:
+        comm = _WORLD
+    # the hot path of a repeated call, as mpiallreduce.allreduce's: the entry last bound to
+    # recvbuf, verified object by object (it holds them alive: equal ids are the same objects)
+    entry = LAST.get(("reproducible", id(recvbuf)))
+    if entry is not None and entry.objects[1] is sendbuf and entry.objects[0] is comm \
+            and entry.objects[3] is op and entry.algorithm == algorithm \
+            and entry.objects[4] is topology and entry.params == params \
+            and recvbuf.dtype is entry.dtype and (entry.in_place or sendbuf.dtype is entry.dtype) \
+            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+        return entry.run(check_args, timeout)
     key = None
     if isinstance(recvbuf, np.ndarray) and (sendbuf is MPI.IN_PLACE
                                             or isinstance(sendbuf, np.ndarray)):
         # key[2] is what CallCache files under LAST: never an int, so never a plain call's
-        key = ("reproducible", id(_WORLD if comm is None else comm),
-               ("reproducible", id(recvbuf)), id(sendbuf), id(op), algorithm, id(topology),
-               tuple(sorted(params.items())))
+        key = ("reproducible", id(comm), ("reproducible", id(recvbuf)), id(sendbuf), id(op),
+               algorithm, id(topology), tuple(sorted(params.items())))
         try:
             entry = CALLS.get(key)
         except TypeError:  # a parameter value that cannot be hashed: no caching
@@ -409,19 +541,28 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
                 and (entry.in_place or sendbuf.dtype is entry.dtype) \
                 and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
             return entry.run(check_args, timeout)
+    # a one-value call's key rides in the check, as a cached call's does (_Entry.run): ranks
+    # whose caches differ still run alike
+    carry = _Carry()
     call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
-                    timeout, params)
+                    timeout, params, carry)
     if call.recv.size == 0:
         return call.recv
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
     bound = ReproduciblePlan(call, state, explicit=False, timeout=None, deadline=deadline,
                              what="allreduce")
+
+    def run():
+        if carry.largest is not None and bound._scalar is not None:
+            return bound.run_carried(carry.largest, timeout)
+        return bound.run(timeout)
+
     if key is not None and state.calls.put(
             key, _Entry(bound, (call.comm, sendbuf, recvbuf, op, topology), call, state)):
-        return bound.run(timeout)
+        return run()
     try:
-        return bound.run(timeout)
+        return run()
     finally:
         bound.free()
 

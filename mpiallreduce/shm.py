@@ -206,6 +206,9 @@ class Node:
         alike) sends the caller to the exchange of :func:`._agree.disagree`; so does a peer
         that runs a data call here instead (a call whose run checks itself, ``check=False``, a
         plan): it sees this check's signature and joins the exchange (:meth:`ShmPlan._mismatch`).
+        The area's last word (padding in every signature) is carried, not compared: where the
+        signatures agree, ``signature.carried`` is the largest rank's (a reproducible sum of
+        one value sends its key there instead of a MAX of its own).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         epoch = self.claim()
@@ -224,8 +227,15 @@ class Node:
                           f"runs calls in a different order, or passed check=False)")
                 on_timeout(reason, [], (signature,))
                 raise CollectiveTimeout(reason)
-            mine = signature.shm
-            return all(theirs == mine for theirs in self.signatures[parity])
+            mine = signature.shm[:-1]
+            same = True
+            carried = 0
+            for theirs in self.signatures[parity]:
+                carried = max(carried, theirs[-1])
+                if theirs[:-1] != mine:
+                    same = False
+            signature.carried = carried
+            return same
         finally:
             self.finish(epoch)
 
@@ -266,6 +276,13 @@ class Node:
         self.windows.remove(window)  # the block owns it
         self.blocks += 1
         return SharedBlock(self, window, self.blocks)
+
+    def scratch_block(self, nbytes: int) -> SharedBlock:
+        """As :meth:`new_block`, for a layer's internal buffers (reproducible sums' words): the
+        node keeps the window and frees it with the others, never before (collective)."""
+        block = self.new_block(nbytes)
+        self.windows.append(block.window)
+        return block
 
     def close(self) -> None:
         """Free the windows when every rank of the node frees the communicator.

@@ -175,6 +175,108 @@ def test_repeated_small_calls_and_every_path_agree_elementwise(check):
             assert bits(got) == bits(want), (count, shift)
 
 
+def fsum_columns(comm, x: np.ndarray) -> np.ndarray:
+    """Every element's correctly rounded sum over the ranks (float64)."""
+    columns = np.array(comm.allgather(x))
+    return np.array([math.fsum(column) for column in columns.T])
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
+def test_cached_calls_with_new_contents_at_every_count(in_place):
+    """The one-shot call bound on the first call runs again on the same arrays with new
+    contents: counts 0, 1 (the one-value path), below p, past the shared-memory transport's
+    small regime (words in node-shared scratch) and large; each result correctly rounded."""
+    comm = MPI.COMM_WORLD
+    for count in sorted({0, 1, max(comm.size - 1, 1), 2049, 70_001}):
+        buf = np.empty(count)
+        out = buf if in_place else np.empty(count)
+        sendbuf = MPI.IN_PLACE if in_place else buf
+        for seed in range(3):
+            x = adversarial(comm.rank, count, "float64", seed=seed)
+            np.copyto(buf, x)
+            got = mar.allreduce(sendbuf, out, reproducible=True)
+            assert got is out
+            assert np.array_equal(got, fsum_columns(comm, x)), (count, seed)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_one_value_calls_match_the_vector_program(check):
+    """A one-element float64 call (Python floats; its key inside the argument check where the
+    check runs over shared memory) gives the bits of the same element in a vector call,
+    special values, -0, subnormals, capped units and near-overflow sums included."""
+    comm = MPI.COMM_WORLD
+    rank, last = comm.rank, comm.rank == comm.size - 1
+    big = np.finfo(np.float64).max
+    x = adversarial(rank, 16, "float64", seed=4, span=40)
+    x[:12] = [0.0, -0.0, 5e-324 * (rank + 1), -5e-324, np.inf if rank == 0 else 1.0,
+              np.nan if last else 2.0, big / 2, -big if rank == 0 else big, 2.0 ** -1000,
+              1e-310 * (-1) ** rank, 2.0 ** 1020, -(2.0 ** -1030)]
+    whole = mar.allreduce(x, np.empty_like(x), algorithm="ring", reproducible=True)
+    one, out = np.empty(1), np.empty(1)
+    for index in range(x.size):
+        for _ in range(2):  # bound, then the cached entry
+            one[0] = x[index]
+            got = mar.allreduce(one, out, reproducible=True, check=check)
+            assert bits(got) == bits(whole[index:index + 1]) or (
+                np.isnan(got[0]) and np.isnan(whole[index])), (index, got[0], whole[index])
+    avg = mar.allreduce(one, np.empty(1), op=mar.AVG, reproducible=True)
+    assert avg[0] == mar.allreduce(x[-1:], None, op=mar.AVG, algorithm="tree",
+                                   reproducible=True)[0]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_value_call_disagreeing_on_reproducible_raises_everywhere():
+    comm = MPI.COMM_WORLD
+    one, out = np.ones(1), np.empty(1)
+    for _ in range(2):  # the first call binds, the second runs the cached entry
+        mar.allreduce(one, out, reproducible=True)
+    with pytest.raises(ValueError, match="differ"):
+        mar.allreduce(one, out, reproducible=comm.rank == 0)
+    with pytest.raises(ValueError, match="differ"):
+        mar.allreduce(one, out, op=mar.AVG if comm.rank == 0 else MPI.SUM, reproducible=True)
+    assert mar.allreduce(one, out, reproducible=True)[0] == comm.size
+    # a cached call on some ranks, fresh arrays on others: the key rides in both checks alike
+    for step in range(4):
+        one[0] = 2.0 ** (step * 300 - 600) * (comm.rank + 1)
+        fresh = comm.rank % 2 == 1
+        got = mar.allreduce(one.copy() if fresh else one, np.empty(1) if fresh else out,
+                            reproducible=True)
+        assert got[0] == 2.0 ** (step * 300 - 600) * comm.size * (comm.size + 1) / 2
+
+
+def test_plans_sharing_the_node_scratch_keep_their_bits():
+    """Plans whose words' sum runs on the shared-memory transport share one node-shared
+    scratch, which grows for a larger plan while the smaller ones keep theirs: alternate runs
+    of plans and calls of several sizes, and a plan freed in between, give the bits of a
+    schedule that uses no shared memory."""
+    comm = MPI.COMM_WORLD
+    sizes = (3000, 20_000, 90_000)
+    inputs = {size: adversarial(comm.rank, size, "float64", seed=size, span=200)
+              for size in sizes}
+    want = {size: mar.allreduce(x, None, algorithm="ring", reproducible=True)
+            for size, x in inputs.items()}
+    plans = {}
+    for size in sizes:  # the scratch grows with each
+        plans[size] = mar.plan(inputs[size], np.empty(size), reproducible=True,
+                               algorithm="shm" if comm.size > 1 else "auto")
+        assert bits(plans[size].run()) == bits(want[size])
+    outs = {size: np.empty(size) for size in sizes}
+    for size in reversed(sizes):
+        for _ in range(2):
+            assert bits(plans[size].run()) == bits(want[size])
+            assert bits(mar.allreduce(inputs[size], outs[size], reproducible=True)) == \
+                bits(want[size])
+    plans.pop(20_000).free()
+    for size, plan in plans.items():
+        assert bits(plan.run()) == bits(want[size])
+        plan.free()
+    with mar.plan(np.zeros(0), np.empty(0), reproducible=True) as empty:
+        assert empty.run().size == 0
+    complex_x = adversarial(comm.rank, 5000, "complex128", seed=7)
+    assert bits(mar.allreduce(complex_x, None, op=mar.AVG, reproducible=True)) == bits(
+        mar.allreduce(complex_x, None, op=mar.AVG, algorithm="tree", reproducible=True))
+
+
 @pytest.mark.parametrize("count", [0, 1, 2, 5, 100_003])
 def test_awkward_counts(count):
     comm = MPI.COMM_WORLD
