@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import replace
 from functools import partial
@@ -280,7 +281,7 @@ class Shape(_Known):
     """
 
     __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
-                 "allreduce", "schedule", "plan", "staged_call", "fused")
+                 "allreduce", "schedule", "plan", "staged_call", "fused", "previous")
 
     def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool,
                  fused: bool = False):
@@ -294,6 +295,7 @@ class Shape(_Known):
         self.allreduce = state.private.Allreduce
         self.schedule = schedule
         self.fused = fused  # its staged plan runs shm: the run checks the arguments itself
+        self.previous = None  # the arrays of the last call through this shape, held weakly
         self.plan = None
         self.staged_call = None
         if schedule:  # the call on staging buffers of its own (not the caller's arrays)
@@ -301,6 +303,19 @@ class Shape(_Known):
             self.staged_call = replace(
                 call, send=None if call.send is None else np.empty(size, dtype=dtype),
                 recv=np.empty(size, dtype=dtype))
+
+    def again(self, sendbuf, recvbuf: np.ndarray) -> bool:
+        """Whether this call passes the very arrays of the shape's previous call (still alive):
+        a caller that reuses its arrays, whose call should then be bound to them (the cold path:
+        a call cache entry, no staging). Otherwise remember these arrays, weakly (arrays made
+        per call die at once, and a new one may get a dead one's ``id``)."""
+        previous = self.previous
+        if previous is not None and previous[1]() is recvbuf \
+                and (previous[0] is sendbuf if sendbuf is MPI.IN_PLACE else previous[0]() is sendbuf):
+            return True
+        self.previous = (sendbuf if sendbuf is MPI.IN_PLACE else weakref.ref(sendbuf),
+                         weakref.ref(recvbuf))
+        return False
 
     def staged(self, sendbuf, recvbuf: np.ndarray) -> np.ndarray:
         """Run the staged plan on the caller's arrays (C-contiguous, checked by the caller)."""

@@ -114,7 +114,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         # a call with fresh arrays (a new np.array([dot]) per call): known by its shape
         shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
                                             params))
-        if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf):
+        if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf) \
+                and not shape.again(sendbuf, recvbuf):
             if check and not shape.fused:
                 shape.agree(None)
             if shape.schedule:
