@@ -249,16 +249,8 @@ class Comm(MPI.Intracomm):
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
         """Reduce, then scatter equal blocks: rank r gets block r, as mpi4py's."""
-        try:
-            route = self._route(
-                lambda: self._with_plain(scatter(sendbuf, recvbuf, None, op, self.Get_size(),
-                                                 self.Get_rank(), block=True)),
-                op, "reduce_scatter")
-            if route is not None:
-                self._reduce_scatter(*route, op)
-                return None
-        except Unviewable as agreed:
-            settle(agreed, None)
+        if self._scatter_routed(sendbuf, recvbuf, None, op, block=True):
+            return None
         return super().Reduce_scatter_block(sendbuf, recvbuf, op)
 
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM) -> None:
@@ -272,17 +264,23 @@ class Comm(MPI.Intracomm):
             recvcounts = self._receive_counts(recvbuf)
             if recvcounts is None:
                 return super().Reduce_scatter(sendbuf, recvbuf, None, op)
+        if self._scatter_routed(sendbuf, recvbuf, recvcounts, op, block=False):
+            return None
+        return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+
+    def _scatter_routed(self, sendbuf, recvbuf, recvcounts, op, block: bool) -> bool:
+        """Run a reduce-scatter through mpiallreduce where it takes it; False: MPI runs it."""
         try:
             route = self._route(
                 lambda: self._with_plain(scatter(sendbuf, recvbuf, recvcounts, op, self.Get_size(),
-                                                 self.Get_rank(), block=False)),
+                                                 self.Get_rank(), block=block)),
                 op, "reduce_scatter")
             if route is not None:
                 self._reduce_scatter(*route, op)
-                return None
+                return True
         except Unviewable as agreed:
             settle(agreed, None)
-        return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+        return False
 
     def Allgather(self, sendbuf, recvbuf) -> None:
         """Gather to all: block r of ``recvbuf`` (p equal blocks) from rank r, as mpi4py's."""

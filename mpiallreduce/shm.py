@@ -701,6 +701,13 @@ class ShmPlan(_PlanBase):
             return self.recvbuf
         if node.closed:
             raise ValueError("the communicator of this plan has been freed")
+        self._epoch(node, timeout, deadline)
+        return self.recvbuf
+
+    __call__ = run
+
+    def _epoch(self, node: Node, timeout, deadline) -> None:
+        """Claim the next epoch, run it (after every earlier one), and mark it finished."""
         epoch = node.claim()
         try:
             if node.finished != epoch - 1:
@@ -710,25 +717,13 @@ class ShmPlan(_PlanBase):
             node.finished = epoch
             if node.waiting:
                 node.finish(epoch)
-        return self.recvbuf
-
-    __call__ = run
 
     def direct(self) -> None:
         """Run once without deadline and without the checks of :meth:`run`: for the call
         cache, which drops its entries before their plans are freed, their shared arrays freed
         or their communicator broken or freed (the one-shot hot path, ``check=True`` or not).
         The small regime replaces it with :meth:`_bind_direct`'s closure."""
-        node = self._node
-        epoch = node.epoch = node.epoch + 1
-        try:
-            if node.finished != epoch - 1:
-                node.turn(epoch, None, self._label)
-            self._run(node, epoch, None, None)
-        finally:
-            node.finished = epoch
-            if node.waiting:
-                node.finish(epoch)
+        self._epoch(self._node, None, None)
 
     def _bind_direct(self):
         """:meth:`direct` of the small regime as one closure over the bound state: the

@@ -49,6 +49,18 @@ def pytest_terminal_summary(terminalreporter):
                                     f"p = {MPI.COMM_WORLD.size}")
 
 
+def load_file(relative: str, name: str):
+    """Import the file at ``relative`` (to the repository root: a script or an example) as a
+    module called ``name``."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / relative
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def launcher_environment() -> dict:
     """This process's environment without what a launcher gave it, plus OPEN_MPI_ENV (which
     MPICH ignores), so a test can start its own mpirun from inside an MPI run."""

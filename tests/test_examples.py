@@ -1,22 +1,15 @@
 """The examples are importable and give the same answer as MPI's own Allreduce."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
+from conftest import load_file
 from mpi4py import MPI
 
 import mpiallreduce as mar
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(f"examples/{name}.py", name)
 
 
 @pytest.mark.mpi

@@ -4,12 +4,9 @@ and the data-parallel example under every --sync."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
-from conftest import assert_identical_across_ranks, assert_matches_native
+from conftest import assert_identical_across_ranks, assert_matches_native, load_file
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -357,11 +354,7 @@ def test_delayed_sync_returns_the_previous_average(algorithm):
 # -- the example ------------------------------------------------------------------------------------
 
 def _example():
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "data_parallel.py"
-    spec = importlib.util.spec_from_file_location("data_parallel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/data_parallel.py", "data_parallel")
 
 
 @pytest.mark.mpi

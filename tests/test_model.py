@@ -373,14 +373,9 @@ def test_predict_prints_the_switch_parameters_and_where_sharp_wins():
 # -- scripts/predict_vs_measured.py on a tiny synthetic input (issue 24, item 5) -----------------
 
 def _script():
-    import importlib.util
-    import pathlib
+    from conftest import load_file
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "predict_vs_measured.py"
-    spec = importlib.util.spec_from_file_location("predict_vs_measured", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/predict_vs_measured.py", "predict_vs_measured")
 
 
 def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):

@@ -1,17 +1,14 @@
 """scripts/native_sweep.py: the configurations it forces, its summary, and one tiny real run."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
-from conftest import launcher_environment, needs_mpirun
+from conftest import launcher_environment, load_file, needs_mpirun
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "native_sweep.py"
-spec = importlib.util.spec_from_file_location("native_sweep", SCRIPT)
-sweep = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sweep)
+sweep = load_file("scripts/native_sweep.py", "native_sweep")
 
 
 def test_open_mpi_configurations_force_each_tuned_algorithm_and_segment():
