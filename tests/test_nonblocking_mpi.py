@@ -87,7 +87,7 @@ def test_a_freed_plan_refuses_to_start(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_timeout_in_the_progress_thread_raises_from_wait(comm):
+def test_a_timeout_in_the_progress_thread_raises_from_wait(short_close, comm):
     mar.allreduce(np.zeros(1), comm=comm)  # the communicator's set-up is collective
     if comm.rank == 0:  # the others never make the call: rank 0's run must time out
         request = mar.iallreduce(np.ones(8), comm=comm, algorithm="ring", check=False,
@@ -185,7 +185,7 @@ def test_a_plan_in_flight_refuses_run_start_and_free(comm, algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_timeout_marks_the_communicator_in_the_callers_thread(comm, monkeypatch):
+def test_a_timeout_marks_the_communicator_in_the_callers_thread(short_close, comm, monkeypatch):
     # The progress thread must never drop (free) cached plans the caller's thread may be
     # running: every mark_broken happens in the thread that called wait().
     mar.allreduce(np.zeros(1), comm=comm)
