@@ -13,6 +13,10 @@ import pytest
 from mpi4py import MPI
 
 COMM_KINDS = ("world", "dup", "split", "self")
+#: for the big grids whose cases do not depend on how the communicator was made (op x dtype
+#: tables): the whole world and a split of it; ``@pytest.mark.parametrize("comm", GRID_KINDS,
+#: indirect=True)``. A Dup() runs what the world runs, and COMM_SELF is the -n 1 world.
+GRID_KINDS = ("world", "split")
 
 # auto follows its built-in rule in the tests, whatever tuning table this machine holds
 # (tests of the tables set the variable themselves).

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import assert_identical_across_ranks
+from conftest import GRID_KINDS, assert_identical_across_ranks
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -98,6 +98,7 @@ def bits(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array).tobytes()
 
 
+@pytest.mark.parametrize("comm", GRID_KINDS, indirect=True)
 @pytest.mark.parametrize("op", [MPI.SUM, mar.AVG], ids=["SUM", "AVG"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_same_bits_for_every_algorithm_and_rank_order(comm, dtype, op):
@@ -405,6 +406,7 @@ def splits(comm, count: int):
     yield (0, count) if comm.rank == comm.size - 1 else (0, 0)  # all on the last rank
 
 
+@pytest.mark.parametrize("comm", GRID_KINDS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("count", [0, 1, 17, 10_007])
 def test_sum_dot_norm2_independent_of_the_split(comm, dtype, count):

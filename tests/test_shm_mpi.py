@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from conftest import (
+    GRID_KINDS,
     affine_compose,
     affine_maps,
     assert_identical_across_ranks,
@@ -46,6 +47,7 @@ def _counts(comm) -> list[int]:
     return sorted(set(awkward_counts(comm.size) + LARGE))
 
 
+@pytest.mark.parametrize("comm", GRID_KINDS, indirect=True)
 @pytest.mark.parametrize("op_name, dtype", CASES)
 def test_every_op_and_dtype_matches_native(comm, op_name, dtype):
     op = getattr(MPI, op_name)
