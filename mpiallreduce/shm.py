@@ -174,17 +174,14 @@ class Node:
             self.sync()
         self.header[0] = value
 
-    def wait(self, target: int, deadline: float | None, ranks=None) -> list[int] | None:
-        """Wait until every peer's counter (or that of the peers ``ranks``) reaches ``target``;
-        return the ranks missing at ``deadline`` (None once all arrived). Spins, then yields the
-        core, then sleeps."""
+    def wait(self, target: int, deadline: float | None, some=None) -> list[int] | None:
+        """Wait until every peer's counter (or, given ``some = (ranks, their headers)``, those
+        peers') reaches ``target``; return the ranks missing at ``deadline`` (None once all
+        arrived). Spins, then yields the core, then sleeps."""
         reads = 0
         started = None
         pause = 5e-5
-        if ranks is None:
-            ranks, headers = self.peers, self.peer_headers
-        else:
-            headers = tuple(self.headers[q] for q in ranks)
+        ranks, headers = (self.peers, self.peer_headers) if some is None else some
         for peer in headers:
             while peer[0] < target:
                 reads += 1

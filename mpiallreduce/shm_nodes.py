@@ -112,7 +112,7 @@ class NodesPlan(ShmPlan):
         self.transport = "shm"
         self._node = node
         self._members = members  # the communicator's rank of each local rank
-        self._label = f"{name} allreduce (shm inside nodes)"
+        self._label = f"{name} allreduce"  # as the schedule's messages name it
         self._agreement = self._disagree = None
         self._scratch = np.empty(0, dtype=call.recv.dtype)
         self._local = ()
@@ -137,10 +137,14 @@ class NodesPlan(ShmPlan):
         self._cross = None
         if phase.cross:
             reducer = replace(call.reducer, average=False)
+            # named as the whole plan (timeout messages, traces: a run of ``name`` on the span)
             self._cross = Plan(state.private, phase.cross, None, result[lo:hi], reducer,
-                               phase.inner, label=f"{name} allreduce (across nodes)",
+                               name,
                                persistent=persistent, state=state, tag_base=plan_id)
-        self._owners = tuple(range(1, min(phase.owners, node.size)))  # whom a leader waits for
+        # (ranks, headers) a leader waits for (the other owners), and its followers (the leader)
+        owners = tuple(range(1, min(phase.owners, node.size)))
+        self._owners = (owners, tuple(node.headers[q] for q in owners))
+        self._leader = ((0,), (node.headers[0],))
         source = flat(call.send) if call.send is not None else result
         self._programs = tuple(self._bind_nodes(parity, source, phase) for parity in (0, 1))
         self._run = self._run_leader if phase.leader and node.rank == 0 else (
@@ -220,9 +224,10 @@ class NodesPlan(ShmPlan):
             self._timed_out.append(self._broken)
             raise
 
-    def _wait_for(self, node: Node, target: int, ranks, timeout, deadline, step: int) -> None:
-        """Wait until the node's ranks ``ranks`` (default: all) published ``target``."""
-        missing = node.wait(target, deadline, ranks)
+    def _wait_for(self, node: Node, target: int, some, timeout, deadline, step: int) -> None:
+        """Wait until the node's ranks ``some`` (``(ranks, headers)``; None: all) published
+        ``target``."""
+        missing = node.wait(target, deadline, some)
         if missing is not None:
             names = ", ".join(str(self._members[q]) for q in missing)
             self.fail(f"{self._label} on rank {self._members[node.rank]}: no answer from "
@@ -279,7 +284,7 @@ class NodesPlan(ShmPlan):
         for call in publish:
             call()
         node.publish(2 * epoch)
-        self._wait_for(node, 2 * epoch, (0,), timeout, deadline, 1)
+        self._wait_for(node, 2 * epoch, self._leader, timeout, deadline, 1)
         for call in pull:
             call()
 
