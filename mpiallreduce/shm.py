@@ -115,6 +115,7 @@ class Node:
                      if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.closed = False
+        self.crowded = False  # (a node of shm_nodes: some machine has more ranks than cores)
         self.epoch = 0  # the last epoch claimed (in call order, in the caller's thread)
         self.finished = 0  # the last epoch run to its end on this rank
         self.turns = threading.Condition()

@@ -34,6 +34,7 @@ check (``check=True``) runs separately for these plans, across every rank, befor
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from functools import partial
@@ -66,8 +67,9 @@ def node_for(state, topology, deadline: float | None = None, what: str = "allred
              ) -> Node | None:
     """This rank's shared-memory node among ``topology``'s nodes, or None where some node of
     it does not lie in one shared-memory node (on every rank alike). Made on first use for the
-    topology's partition (collective over the communicator: a ``Split``, a ``Split_type`` per
-    node and an ``allreduce``); later calls find it.
+    topology's partition (collective over the communicator: a ``Split``, ``Split_type``s and
+    an ``Allreduce``); later calls find it. ``node.crowded`` (the same on every rank): some
+    machine runs more of the communicator's ranks than it has cores (``os.cpu_count()``).
     """
     private = state.private
     table = private.Get_attr(KEYVAL)
@@ -84,10 +86,17 @@ def node_for(state, topology, deadline: float | None = None, what: str = "allred
     rank = private.Get_rank()
     comm = private.Split(key[rank], rank)
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    fits = shared.Get_size() == comm.Get_size()
+    machine = private.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    # every node in one shared-memory node; no machine with more of these ranks than cores
+    mine = np.array([shared.Get_size() == comm.Get_size(),
+                     machine.Get_size() <= (os.cpu_count() or 1)], dtype=np.int32)
     shared.Free()
-    if private.allreduce(fits, op=MPI.LAND):
-        table[key] = Node(private, state, comm=comm)
+    machine.Free()
+    every = np.empty_like(mine)
+    private.Allreduce(mine, every, op=MPI.MIN)
+    if every[0]:
+        node = table[key] = Node(private, state, comm=comm)
+        node.crowded = not every[1]
     else:
         comm.Free()
         table[key] = None

@@ -82,11 +82,11 @@ def parse_apis(text: str) -> list[str]:
     return list(dict.fromkeys(apis))
 
 
-#: bench names for an algorithm with parameters: hierarchical and cascade with their
-#: point-to-point intra-node phase (the plain names run what ``intra="auto"`` picks: shared
-#: memory inside nodes that share it). Named explicitly only, never by ``all``.
-VARIANTS = {"hierarchical-p2p": ("hierarchical", {"intra": "p2p"}),
-            "cascade-p2p": ("cascade", {"intra": "p2p"})}
+#: bench names for an algorithm with parameters: hierarchical and cascade with either
+#: intra-node phase (the plain names run what ``intra="auto"`` picks). Named explicitly
+#: only, never by ``all``.
+VARIANTS = {f"{name}-{intra}": (name, {"intra": intra})
+            for name in ("hierarchical", "cascade") for intra in ("shm", "p2p")}
 
 
 def algorithm_call(name: str) -> tuple[str, dict]:
@@ -135,7 +135,7 @@ def build_parser(printing: bool = True) -> _Parser:
     parser.add_argument("--algorithms", default="all", metavar="LIST",
                         help=f"comma list of {names}, or all (every one); native always "
                              f"runs, as the reference; {', '.join(VARIANTS)} run those with "
-                             f"intra='p2p' (the point-to-point intra-node phase; not in all) "
+                             f"intra='shm' or 'p2p' (the intra-node phase; not in all) "
                              f"(default: all)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="MIN:MAX",
                         help="message sizes in bytes per rank, every power of two from MIN to MAX; "
