@@ -103,6 +103,13 @@ def node_for(state, topology, deadline: float | None = None, what: str = "allred
     return table[key]
 
 
+def _copy(target: np.ndarray, source: np.ndarray):
+    """A bound copy between two contiguous ranges: a byte memoryview's slice assignment
+    (a memcpy without NumPy's per-call cost, which shows at small sizes)."""
+    return partial(memoryview(target).cast("B").__setitem__, slice(None),
+                   memoryview(source).cast("B"))
+
+
 class NodesPlan(ShmPlan):
     """hierarchical or cascade with the shared-memory intra-node phase, bound once.
 
@@ -183,37 +190,43 @@ class NodesPlan(ShmPlan):
         rank, count = node.rank, result.size
         slots = self._slots(parity)
         owners = min(phase.owners, node.size)
-        load = [partial(np.copyto, slots[rank], source)]
+        load = [_copy(slots[rank], source)]
         reduce, gather, publish, pull = [], [], [], []
         span = phase.span
         if rank < owners:
             lo, hi = block(count, owners, rank)
-            if hi > lo:
+            # one float64 summed or multiplied (AVG divides after the cross phase, so not AVG):
+            # shm's Python-float reduction, without NumPy's per-call cost
+            scalar = (hi - lo == count and not self._average and node.size > 1
+                      and self._scalar(slots))
+            if scalar:
+                reduce.append(scalar)
+            elif hi > lo:
                 reduce += self._reduce_into(result[lo:hi], [slot[lo:hi] for slot in slots])
             if phase.leader and rank > 0:
                 span = (lo, hi)
         if phase.leader and rank == 0:  # gathers the blocks, publishes the whole vector
             for q in range(1, owners):
                 start, stop = block(count, owners, q)
-                gather.append(partial(np.copyto, result[start:stop], slots[q][start:stop]))
+                gather.append(_copy(result[start:stop], slots[q][start:stop]))
             span = (0, count)
         elif phase.leader:
-            pull.append(partial(np.copyto, result, slots[0]))
+            pull.append(_copy(result, slots[0]))
         else:
             for q in range(owners):
                 if q != rank:
                     start, stop = block(count, owners, q)
-                    pull.append(partial(np.copyto, result[start:stop], slots[q][start:stop]))
+                    pull.append(_copy(result[start:stop], slots[q][start:stop]))
         lo, hi = span
         if hi > lo:
             if self._average and (not phase.leader or rank == 0):
                 publish.append(partial(np.divide, result[lo:hi], self._nranks, result[lo:hi]))
-            publish.append(partial(np.copyto, slots[rank][lo:hi], result[lo:hi]))
+            publish.append(_copy(slots[rank][lo:hi], result[lo:hi]))
         return tuple(load), tuple(reduce), tuple(gather), tuple(publish), tuple(pull)
 
     def _reduce_into(self, out: np.ndarray, operands: list[np.ndarray]) -> list:
         if len(operands) == 1:  # a node of one rank
-            return [partial(np.copyto, out, operands[0])]
+            return [_copy(out, operands[0])]
         return super()._reduce_into(out, operands)
 
     # -- running ------------------------------------------------------------------------------
@@ -236,6 +249,13 @@ class NodesPlan(ShmPlan):
     def _wait_for(self, node: Node, target: int, some, timeout, deadline, step: int) -> None:
         """Wait until the node's ranks ``some`` (``(ranks, headers)``; None: all) published
         ``target``."""
+        for header in node.peer_headers if some is None else some[1]:
+            if header[0] < target:
+                break
+        else:  # all there already (no call into the waiting loop)
+            if node.sync is not None:
+                node.sync()
+            return
         missing = node.wait(target, deadline, some)
         if missing is not None:
             names = ", ".join(str(self._members[q]) for q in missing)
