@@ -180,9 +180,9 @@ def _node_phased(name: str, call: Call, state: CommState, topology, *, explicit:
     or None for the point-to-point schedule.
 
     ``intra="auto"`` (the default) takes shared memory wherever every node of the topology
-    lies in one shared-memory node (real nodes, or simulated ones on one machine), from
-    :data:`.select.SHM_OVERSUBSCRIBED_BYTES` per rank only where some machine runs more of the
-    ranks than it has cores (``node.crowded``, agreed), as ``auto`` does for ``shm``; ``"shm"``
+    lies in one shared-memory node (real nodes, or simulated ones on one machine), some node
+    has two ranks or more, and no machine runs more of the ranks than it has cores
+    (``node.crowded``, agreed); ``"shm"``
     insists (ValueError on every rank where it cannot); ``"p2p"`` runs the schedule. Decided
     from the agreed arguments and topology and from :func:`.shm_nodes.node_for`, whose first
     use per node partition is collective (every rank builds the call's first plan alike).
@@ -199,8 +199,10 @@ def _node_phased(name: str, call: Call, state: CommState, topology, *, explicit:
             raise ValueError(f"{name} with intra='shm' needs every node of {topology!r} in one "
                              f"shared-memory node, and some is not; use intra='auto' or 'p2p'")
         return None
-    if intra == "auto" and node.crowded and call.recv.nbytes < select.SHM_OVERSUBSCRIBED_BYTES:
-        return None  # shm's own rule where ranks outnumber cores (measured: docs/algorithms.md)
+    if intra == "auto" and (node.crowded or max(topology.node_sizes) == 1):
+        # where ranks outnumber cores the schedule measured faster at every size (4 ranks on
+        # 2 cores, docs/algorithms.md); nodes of one rank have nothing to share
+        return None
     phase = node_phase(name, state.private.Get_rank(), call.recv.size, topology,
                        small=call.recv.nbytes <= shm.SMALL_BYTES, **params)
     return shm_nodes.build(node, call, phase, name=name, topology=topology,

@@ -14,7 +14,7 @@ from conftest import affine_compose, affine_maps, assert_matches_native, awkward
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _plans, select, shm, shm_nodes
+from mpiallreduce import _plans, shm, shm_nodes
 from mpiallreduce._state import existing
 from mpiallreduce._state import state as _state
 from mpiallreduce.topology import RANKS_PER_NODE_ENV, Topology
@@ -37,13 +37,11 @@ def _transport(plan) -> str:
     return "shm" if isinstance(plan, shm_nodes.NodesPlan) else "p2p"
 
 
-def _auto(comm, nbytes: int) -> str:
-    """What intra="auto" runs here (one machine): shm, but not for small calls where the ranks
-    outnumber the cores."""
-    if comm.size == 1:
-        return "p2p"
+def _auto(comm, per_node: int) -> str:
+    """What intra="auto" runs here (one machine): shm, but not where the ranks outnumber the
+    cores, nor on nodes of one rank."""
     crowded = comm.size > (os.cpu_count() or 1)
-    return "p2p" if crowded and nbytes < select.SHM_OVERSUBSCRIBED_BYTES else "shm"
+    return "p2p" if crowded or min(per_node, comm.size) == 1 else "shm"
 
 
 @pytest.mark.parametrize("intra", INTRA)
@@ -59,13 +57,13 @@ def test_explicit_simulated_topology(name, per_node, intra):
 @pytest.mark.parametrize("name", TWO_LEVEL)
 def test_environment_variable_simulates_nodes(monkeypatch, name, per_node):
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # as if every rank had a core: auto -> shm
     comm = MPI.COMM_WORLD.Dup()  # a fresh communicator: the topology is kept per communicator
     try:
         _check(comm, name, None, dtypes=("float64",))
         assert _state(comm).topology == Topology.simulated(comm, ranks_per_node=per_node)
-        for count in (10, 20_000):  # auto: shm inside (small calls not where crowded)
-            with mar.plan(np.ones(count), comm=comm, algorithm=name) as plan:
-                assert _transport(plan) == _auto(comm, count * 8)
+        with mar.plan(np.ones(10), comm=comm, algorithm=name) as plan:
+            assert _transport(plan) == ("shm" if comm.size > 1 else "p2p")  # cores to spare
     finally:
         comm.Free()
 
@@ -322,10 +320,10 @@ def test_intra_chooses_the_transport_and_shm_refuses_where_memory_is_not_shared(
     x = np.ones(10)
     with pytest.raises(ValueError, match="intra must be one of 'auto', 'shm', 'p2p'"):
         mar.allreduce(x, comm=comm, algorithm=name, topology=topology, intra="tcp")
-    big = np.ones(20_000)
-    for intra, data in (("auto", x), ("auto", big), ("shm", x), ("p2p", x)):
-        with mar.plan(data, comm=comm, algorithm=name, topology=topology, intra=intra) as plan:
-            expect = _auto(comm, data.nbytes) if intra == "auto" else intra
+    for intra, per_node in (("auto", 2), ("auto", 1), ("shm", 2), ("shm", 1), ("p2p", 2)):
+        with mar.plan(x, comm=comm, algorithm=name, topology=_nodes(comm, per_node),
+                      intra=intra) as plan:
+            expect = _auto(comm, per_node) if intra == "auto" else intra
             assert _transport(plan) == (expect if comm.size > 1 else "p2p")
             assert plan.algorithm == name
     if comm.size == 1:
@@ -333,7 +331,7 @@ def test_intra_chooses_the_transport_and_shm_refuses_where_memory_is_not_shared(
     # a node that does not share memory (on a real cluster: an explicit topology that joins
     # ranks of several machines): auto takes the schedule, shm refuses on every rank
     monkeypatch.setattr(_plans.shm_nodes, "node_for", lambda *args, **kwargs: None)
-    with mar.plan(big, comm=comm, algorithm=name, topology=topology) as plan:
+    with mar.plan(x, comm=comm, algorithm=name, topology=topology) as plan:
         assert _transport(plan) == "p2p"
     with pytest.raises(ValueError, match="needs every node of .* in one shared-memory node"):
         mar.plan(x, comm=comm, algorithm=name, topology=topology, intra="shm")
