@@ -154,8 +154,7 @@ class NodesPlan(ShmPlan):
         if phase.cross:
             reducer = replace(call.reducer, average=False)
             # named as the whole plan (timeout messages, traces: a run of ``name`` on the span)
-            self._cross = Plan(state.private, phase.cross, None, result[lo:hi], reducer,
-                               name,
+            self._cross = Plan(state.private, phase.cross, None, result[lo:hi], reducer, name,
                                persistent=persistent, state=state, tag_base=plan_id)
         # (ranks, headers) a leader waits for (the other owners), and its followers (the leader)
         owners = tuple(range(1, min(phase.owners, node.size)))

@@ -234,6 +234,18 @@ def test_shm_phase_average_user_op_and_narrow_integers(name):
 
 
 @pytest.mark.parametrize("name", TWO_LEVEL)
+def test_shm_phase_fortran_order_and_several_dimensions(name):
+    comm = MPI.COMM_WORLD
+    call = dict(comm=comm, algorithm=name, topology=_nodes(comm, 3), intra="shm")
+    for shape in [(3, 5), (200, 61)]:
+        x = np.asfortranarray(contribution(comm, int(np.prod(shape)), "float64").reshape(shape))
+        out = np.asfortranarray(np.empty(shape))
+        mar.allreduce(x, out, **call)
+        memory = x.reshape(-1, order="F")  # compared in memory order, as MPI pairs elements
+        assert_matches_native(comm, memory, out.reshape(-1, order="F"), MPI.SUM)
+
+
+@pytest.mark.parametrize("name", TWO_LEVEL)
 def test_shm_phase_nonblocking_comm_and_timeout(name):
     comm = MPI.COMM_WORLD
     topology = _nodes(comm, 2)
