@@ -347,3 +347,28 @@ def test_intra_chooses_the_transport_and_shm_refuses_where_memory_is_not_shared(
         assert _transport(plan) == "p2p"
     with pytest.raises(ValueError, match="needs every node of .* in one shared-memory node"):
         mar.plan(x, comm=comm, algorithm=name, topology=topology, intra="shm")
+
+
+def test_shm_phase_under_grad_sync(monkeypatch):
+    """GradSync's buckets (plans bound once, runs started in bucket order) over the shm phase."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # auto takes shm inside the nodes
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        sizes = (5, 3000, 70_000)
+        grads = [contribution(comm, n, "float64", seed=i) for i, n in enumerate(sizes)]
+        with mar.GradSync(grads, comm, op=MPI.SUM, algorithm="hierarchical",
+                          bucket_bytes=4096) as sync:
+            assert all(_transport(b.plan) == ("shm" if comm.size > 1 else "p2p")
+                       for b in sync.buckets)
+            for step in range(2):
+                fresh = [contribution(comm, n, "float64", seed=10 * step + i)
+                         for i, n in enumerate(sizes)]
+                for g, f in zip(grads, fresh):
+                    g[...] = f
+                for index in reversed(range(len(grads))):
+                    sync.ready(index)
+                for got, f in zip(sync.wait(), fresh):
+                    assert_matches_native(comm, f, got, MPI.SUM)
+    finally:
+        comm.Free()
