@@ -12,10 +12,12 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, select, shm
+from . import algorithms, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree
 from ._checks import ALGORITHMS, Call
 from ._state import CALLS, CommState
+from .algorithms.compose import check_intra
+from .algorithms.nodes import NODE_PHASED, node_phase
 from .executor import NativePlan, Plan, scratch_size
 from .ops import native_deviates
 
@@ -158,6 +160,11 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     if algorithms.get(name).uses_topology and topology is None:
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)
+    if name in NODE_PHASED:
+        plan = _node_phased(name, call, state, topology, explicit=explicit,
+                            persistent=persistent, timeout=timeout, deadline=deadline, what=what)
+        if plan is not None:
+            return plan
     plan_steps = steps(name, rank, nranks, call.recv.size, topology, builder_params(name, call))
     scratch = (state.scratch_for(call.recv.dtype, scratch_size(plan_steps)) if borrow_scratch
                else None)
@@ -165,6 +172,42 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     return Plan(private, plan_steps, call.send, call.recv, call.reducer, name,
                 persistent=persistent, scratch=scratch, timeout=timeout, state=state,
                 tag_base=tag_base)
+
+
+def _node_phased(name: str, call: Call, state: CommState, topology, *, explicit: bool,
+                 persistent: bool, timeout, deadline, what: str):
+    """hierarchical or cascade with the shared-memory intra-node phase (:mod:`.shm_nodes`),
+    or None for the point-to-point schedule.
+
+    ``intra="auto"`` (the default) takes shared memory wherever every node of the topology
+    lies in one shared-memory node (real nodes, or simulated ones on one machine), some node
+    has two ranks or more, and no machine runs more of the ranks than it has cores
+    (``node.crowded``, agreed); ``"shm"``
+    insists (ValueError on every rank where it cannot); ``"p2p"`` runs the schedule. Decided
+    from the agreed arguments and topology and from :func:`.shm_nodes.node_for`, whose first
+    use per node partition is collective (every rank builds the call's first plan alike).
+    """
+    params = dict(builder_params(name, call))
+    intra = params.pop("intra", "auto")
+    check_intra(intra)
+    nranks = state.private.Get_size()
+    if intra == "p2p" or nranks == 1 or call.recv.size == 0:
+        return None
+    node = shm_nodes.node_for(state, topology, deadline, what)
+    if node is None:
+        if intra == "shm":
+            raise ValueError(f"{name} with intra='shm' needs every node of {topology!r} in one "
+                             f"shared-memory node, and some is not; use intra='auto' or 'p2p'")
+        return None
+    if intra == "auto" and (node.crowded or max(topology.node_sizes) == 1):
+        # where ranks outnumber cores the schedule measured faster at every size (4 ranks on
+        # 2 cores, docs/algorithms.md); nodes of one rank have nothing to share
+        return None
+    phase = node_phase(name, state.private.Get_rank(), call.recv.size, topology,
+                       small=call.recv.nbytes <= shm.SMALL_BYTES, **params)
+    return shm_nodes.build(node, call, phase, name=name, topology=topology,
+                           plan_id=state.take_slot() if explicit else 0, persistent=persistent,
+                           timeout=timeout, deadline=deadline, what=what)
 
 
 def _disagree(checker: MPI.Intracomm, what: str, fields: list[int]) -> None:
@@ -261,7 +304,7 @@ class CallEntry(_Known):
 
 def fused(plan) -> bool:
     """Whether ``plan``'s run checks the call's arguments itself (an shm plan on a node)."""
-    return isinstance(plan, shm.ShmPlan) and plan._node is not None
+    return isinstance(plan, shm.ShmPlan) and plan.whole and plan._node is not None
 
 
 #: most bytes per rank for which a schedule's call is also remembered by its shape, through

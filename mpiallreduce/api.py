@@ -66,7 +66,9 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             (SUM and AVG on float and complex dtypes; :mod:`.reproducible`, docs/usage.md
             "Reproducible sums"). Pass the same value on every rank.
         params: parameters of the named algorithm's schedule, e.g. ``segment_bytes=`` for
-            ``ring_segmented``; a parameter the algorithm does not take is a TypeError.
+            ``ring_segmented``, ``inner=`` and ``intra=`` (``"auto"``: shared memory inside
+            nodes that share it, ``"shm"``, ``"p2p"``) for ``hierarchical`` and ``cascade``;
+            a parameter the algorithm does not take is a TypeError.
 
     Returns:
         The result array (``recvbuf`` when given).

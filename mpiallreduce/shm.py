@@ -107,11 +107,15 @@ class Node:
     private communicator, so it is freed with it (see :func:`node_of`).
     """
 
-    def __init__(self, private: MPI.Intracomm, state):
+    def __init__(self, private: MPI.Intracomm, state, comm: MPI.Intracomm | None = None):
         self.state = state
-        self.comm = private.Split_type(MPI.COMM_TYPE_SHARED, key=private.Get_rank())
+        # the ranks of private that share this memory: its shared-memory split, or ``comm``
+        # (a node of a topology, :mod:`.shm_nodes`), which the node then owns and frees
+        self.comm = (private.Split_type(MPI.COMM_TYPE_SHARED, key=private.Get_rank())
+                     if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.closed = False
+        self.crowded = False  # (a node of shm_nodes: some machine has more ranks than cores)
         self.epoch = 0  # the last epoch claimed (in call order, in the caller's thread)
         self.finished = 0  # the last epoch run to its end on this rank
         self.turns = threading.Condition()
@@ -171,13 +175,15 @@ class Node:
             self.sync()
         self.header[0] = value
 
-    def wait(self, target: int, deadline: float | None) -> list[int] | None:
-        """Wait until every peer's counter reaches ``target``; return the ranks missing at
-        ``deadline`` (None once all arrived). Spins, then yields the core, then sleeps."""
+    def wait(self, target: int, deadline: float | None, some=None) -> list[int] | None:
+        """Wait until every peer's counter (or, given ``some = (ranks, their headers)``, those
+        peers') reaches ``target``; return the ranks missing at ``deadline`` (None once all
+        arrived). Spins, then yields the core, then sleeps."""
         reads = 0
         started = None
         pause = 5e-5
-        for peer in self.peer_headers:
+        ranks, headers = (self.peers, self.peer_headers) if some is None else some
+        for peer in headers:
             while peer[0] < target:
                 reads += 1
                 if reads < SPIN_READS:
@@ -186,7 +192,7 @@ class Node:
                 if started is None:
                     started = now
                 if deadline is not None and now > deadline:
-                    return [q for q, h in zip(self.peers, self.peer_headers) if h[0] < target]
+                    return [q for q, h in zip(ranks, headers) if h[0] < target]
                 if now - started < YIELD_SECONDS:
                     os.sched_yield()
                 else:
@@ -478,6 +484,9 @@ class ShmPlan(_PlanBase):
     """
 
     algorithm = "shm"
+    #: its node holds every rank of the communicator, so the signatures its runs compare
+    #: (the agreement's fields folded in) check the whole call (``_plans.fused``)
+    whole = True
 
     def __init__(self, node: Node | None, call, *, plan_id: int, timeout, state,
                  agreement=None, disagree=None):
@@ -867,6 +876,8 @@ class ShmPlan(_PlanBase):
                 problems.append(f"{name} differs: " + "; ".join(
                     f"{_describe(name, value)} on rank{'s' if len(ranks) > 1 else ''} "
                     f"{', '.join(map(str, ranks))}" for value, ranks in values.items()))
+        if not problems:  # only the digest of what else the call is differs
+            problems.append("the algorithm or its parameters differ")
         raise ValueError("shm allreduce: ranks run different calls (arguments, or plans and "
                          "calls in different orders): " + "; ".join(problems))
 

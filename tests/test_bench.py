@@ -72,6 +72,16 @@ def test_all_means_every_algorithm_auto_included_and_native_always_runs_first():
     assert bench.parse_algorithms("auto,native,ring,ring") == ["native", "auto", "ring"]
 
 
+def test_the_intra_node_variants_are_named_explicitly_and_run_their_parameter():
+    from mpiallreduce.bench.options import algorithm_call
+
+    assert bench.parse_algorithms("hierarchical-p2p,cascade-shm") == [
+        "native", "hierarchical-p2p", "cascade-shm"]
+    assert algorithm_call("hierarchical-p2p") == ("hierarchical", {"intra": "p2p"})
+    assert algorithm_call("cascade-shm") == ("cascade", {"intra": "shm"})
+    assert algorithm_call("ring") == ("ring", {})
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--sizes", "8:100"], "powers of two"),
     (["--sizes", "lots"], "bad size"),

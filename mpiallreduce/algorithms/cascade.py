@@ -20,7 +20,7 @@ from ..partition import block
 from ..schedule import REDUCE, Recv, Send, Step, step
 from ..topology import units
 from . import register
-from .compose import choose_inner, flat_steps, pad, program_length, relabel, resolve_topology
+from .compose import check_intra, choose_inner, flat_steps, pad, program_length, relabel, resolve_topology
 from .ring import ring_allgather, ring_reduce_scatter
 
 
@@ -113,15 +113,17 @@ def _cascade(rank: int, ranks: tuple[int, ...], levels: tuple, start: int, stop:
     return steps
 
 
-@register("cascade", commutative_only=True, uses_topology=True, inner=None)
-def cascade(rank: int, nranks: int, count: int, topology=None, inner: str | None = None
-            ) -> list[Step]:
+@register("cascade", commutative_only=True, uses_topology=True, inner=None, intra="auto")
+def cascade(rank: int, nranks: int, count: int, topology=None, inner: str | None = None,
+            intra: str = "auto") -> list[Step]:
     """Reduce-scatter in each node, allreduce each shard across nodes, allgather in the node.
 
     Args:
         topology: nodes and optional coarser levels (default: :meth:`Topology.default`); one
             reduce-scatter/allgather pair (ring) per level, ``inner`` across the top level.
         inner: flat algorithm for the shards across nodes (default: chosen by shard size).
+        intra: how a plan runs the intra-node phase (:data:`~.nodes.INTRA`); this schedule is
+            the point-to-point form, which ``"p2p"`` always runs (see :mod:`.nodes`).
 
     Unequal nodes: each node splits the vector into as many shards as the smallest node has
     ranks (the "core"); a node's remaining ranks first reduce their shards into the core ranks
@@ -129,6 +131,7 @@ def cascade(rank: int, nranks: int, count: int, topology=None, inner: str | None
     nodes (say 8 + 1) the cross-node traffic then goes through few ranks, as in hierarchical.
     With one node this is ring; with one rank per node it is ``inner`` over all ranks.
     """
+    check_intra(intra)
     if nranks == 1 or count == 0:
         return []
     topology = resolve_topology(topology, nranks)

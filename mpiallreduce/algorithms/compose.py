@@ -16,6 +16,10 @@ from . import REGISTRY, get
 
 #: below this many elements per leader or shard, the default inner algorithm is latency-bound.
 SMALL_COUNT = 4096
+#: how hierarchical and cascade plans run their intra-node phase: over shared memory where the
+#: transport can ("auto"), always ("shm": a ValueError where it cannot), or as the
+#: point-to-point schedule ("p2p"); see :mod:`.nodes`.
+INTRA = ("auto", "shm", "p2p")
 _LATENCY_FIRST = ("recursive_doubling", "tree", "rabenseifner", "ring")
 _BANDWIDTH_FIRST = ("rabenseifner", "ring", "recursive_doubling", "tree")
 
@@ -58,6 +62,12 @@ def flat_steps(name: str, rank: int, ranks, start: int, stop: int) -> list[Step]
     nranks, count = len(ranks), stop - start
     steps = algorithm.steps(ranks.index(rank), nranks, count, **algorithm.params)
     return pad(relabel(steps, ranks, start), program_length(name, nranks, count))
+
+
+def check_intra(intra) -> None:
+    """Raise ValueError unless ``intra`` is one of :data:`INTRA`."""
+    if intra not in INTRA:
+        raise ValueError(f"intra must be one of {', '.join(map(repr, INTRA))}, got {intra!r}")
 
 
 def resolve_topology(topology, nranks: int) -> Topology:

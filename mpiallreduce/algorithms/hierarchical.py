@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from ..schedule import Step
 from . import register
-from .compose import choose_inner, flat_steps, pad, program_length, relabel, resolve_topology
+from .compose import check_intra, choose_inner, flat_steps, pad, program_length, relabel, resolve_topology
 from .phases import binomial_bcast, binomial_reduce, rounds
 
 
-@register("hierarchical", commutative_only=False, uses_topology=True, inner=None, ordered=False)
+@register("hierarchical", commutative_only=False, uses_topology=True, inner=None, ordered=False,
+          intra="auto")
 def hierarchical(rank: int, nranks: int, count: int, topology=None, inner: str | None = None,
-                 ordered: bool = False) -> list[Step]:
+                 ordered: bool = False, intra: str = "auto") -> list[Step]:
     """Reduce to one leader per node, allreduce among leaders, broadcast in each node.
 
     Args:
@@ -28,10 +29,13 @@ def hierarchical(rank: int, nranks: int, count: int, topology=None, inner: str |
             :func:`~mpiallreduce.algorithms.compose.choose_inner`).
         ordered: keep MPI's rank order (for a non-commutative op). Possible when every node is
             a block of consecutive ranks and ``inner`` keeps order; otherwise ValueError.
+        intra: how a plan runs the intra-node phase (:data:`~.nodes.INTRA`); this schedule is
+            the point-to-point form, which ``"p2p"`` always runs (see :mod:`.nodes`).
 
     With one node this is a binomial reduce and broadcast; with one rank per node it is
     ``inner`` over all ranks.
     """
+    check_intra(intra)
     if nranks == 1 or count == 0:
         return []
     topology = resolve_topology(topology, nranks)

@@ -18,7 +18,7 @@ import mpiallreduce as mar
 
 from ..ops import reducer
 from ..topology import Topology
-from .options import MPI_CALL, MPI_INIT, Options, default_iterations, op_of
+from .options import MPI_CALL, MPI_INIT, Options, algorithm_call, default_iterations, op_of
 
 
 @dataclass
@@ -140,7 +140,9 @@ class Case:
             recv[...] = self.x
         sendbuf = MPI.IN_PLACE if opts.in_place else x
         op = op_of(opts.op)
-        kwargs = dict(op=op, comm=comm, algorithm=algorithm, topology=topology)
+        label = algorithm
+        algorithm, params = algorithm_call(label)
+        kwargs = dict(op=op, comm=comm, algorithm=algorithm, topology=topology, **params)
         try:
             plan = (mar.plan(sendbuf, recv, check=True, **kwargs)
                     if api in ("plan", "start") else None)
@@ -156,14 +158,18 @@ class Case:
             # the arguments spelled out, as a caller writes them (a **kwargs expansion per call
             # would cost more than the call path itself at 8 B)
             check = api == "call"
-            run = lambda: mar.allreduce(sendbuf, recv, op, comm, algorithm, topology, check)
+            run = ((lambda: mar.allreduce(sendbuf, recv, op, comm, algorithm, topology, check,
+                                          **params)) if params else
+                   (lambda: mar.allreduce(sendbuf, recv, op, comm, algorithm, topology, check)))
         elif api == "start":
             run = lambda: plan.start().wait()
         elif api == "iallreduce":
-            run = lambda: mar.iallreduce(sendbuf, recv, op, comm, algorithm, topology).wait()
+            run = lambda: mar.iallreduce(sendbuf, recv, op, comm, algorithm, topology,
+                                         **params).wait()
         elif api in ("comm", "comm-nocheck", "comm-init"):
             try:
-                drop_in = mar.Comm(comm, algorithm, topology=topology, check=api != "comm-nocheck")
+                drop_in = mar.Comm(comm, algorithm, topology=topology, check=api != "comm-nocheck",
+                                   **params)
                 if api == "comm-init":
                     plan = drop_in.Allreduce_init(sendbuf, recv, op)
             except ValueError as exc:
@@ -173,7 +179,7 @@ class Case:
         else:
             run = plan.run
         if api == "plan":
-            self.picked[algorithm] = getattr(plan, "algorithm", algorithm)
+            self.picked[label] = getattr(plan, "algorithm", algorithm)
         with _freeing(plan):
             # in place, every run reduces the last result again: values may overflow to inf,
             # which costs nothing and is never validated (the input is restored first)

@@ -82,15 +82,28 @@ def parse_apis(text: str) -> list[str]:
     return list(dict.fromkeys(apis))
 
 
+#: bench names for an algorithm with parameters: hierarchical and cascade with either
+#: intra-node phase (the plain names run what ``intra="auto"`` picks). Named explicitly
+#: only, never by ``all``.
+VARIANTS = {f"{name}-{intra}": (name, {"intra": intra})
+            for name in ("hierarchical", "cascade") for intra in ("shm", "p2p")}
+
+
+def algorithm_call(name: str) -> tuple[str, dict]:
+    """The algorithm and parameters a bench name runs (:data:`VARIANTS`)."""
+    return VARIANTS.get(name, (name, {}))
+
+
 def parse_algorithms(text: str) -> list[str]:
-    """Return the algorithm names of a comma list; ``all`` means every one, ``auto`` included."""
+    """Return the algorithm names of a comma list; ``all`` means every one, ``auto`` included
+    (:data:`VARIANTS` only where named)."""
     names: list[str] = []
     for item in (part.strip() for part in text.split(",")):
         expanded = list(mar.ALGORITHMS) if item == "all" else [item]
         for name in expanded:
-            if name not in mar.ALGORITHMS:
+            if name not in mar.ALGORITHMS and name not in VARIANTS:
                 raise UsageError(f"unknown algorithm {name!r} in --algorithms; choose from "
-                                 f"{', '.join(mar.ALGORITHMS)} or all")
+                                 f"{', '.join((*mar.ALGORITHMS, *VARIANTS))} or all")
             if name not in names:
                 names.append(name)
     # native is the reference of every ratio: always run it, and first.
@@ -121,7 +134,9 @@ def build_parser(printing: bool = True) -> _Parser:
     names = ", ".join(mar.ALGORITHMS)
     parser.add_argument("--algorithms", default="all", metavar="LIST",
                         help=f"comma list of {names}, or all (every one); native always "
-                             f"runs, as the reference (default: all)")
+                             f"runs, as the reference; {', '.join(VARIANTS)} run those with "
+                             f"intra='shm' or 'p2p' (the intra-node phase; not in all) "
+                             f"(default: all)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="MIN:MAX",
                         help="message sizes in bytes per rank, every power of two from MIN to MAX; "
                              "K, M, G suffixes are powers of 1024; one size N is N:N; a comma "
