@@ -1,10 +1,20 @@
 #!/usr/bin/env python3
 """Run the bench at -n 2, -n 4 and -n 8 (2 simulated nodes of 4), predict the same cases from a
 calibration, and print predicted / measured per algorithm and size, the share of rows within
-+-25% and +-35% per rank count, and (``--plot``) predicted against measured.
++-25% and +-35% per rank count and mode (out of place, in place), and (``--plot``) predicted
+against measured.
 
     scripts/predict_vs_measured.py --machine scripts/machine-vm.json --sizes 8:64K --plot pvm.png
     scripts/predict_vs_measured.py --measured bench.json --plot pvm.png   # saved bench rows
+    scripts/predict_vs_measured.py --machine scripts/machine-quiet.json \
+        --measured scripts/bench-n2-out.json --measured scripts/bench-n2-in.json
+
+``--measured`` takes rows saved by ``--save-measured`` or the ``--json`` file of
+``mpiallreduce.bench`` itself (its header says the ranks, simulated nodes and whether it ran
+in place), and may be given more than once. ``auto`` rows are predicted as what they ran
+(the bench's ``runs`` column). Where the bench repeated its rounds (``--repeat``), a row whose
+rounds spread beyond +-25% of their median is *unsteady*: the machine did not reproduce it, so
+no model can be held to it; the summary gives the shares over all rows and over the steady ones.
 
 Runs with more ranks than this machine has cores (``--cores``, default: the cores this process
 may run on) are not predicted: the model has no core-sharing term
@@ -39,7 +49,8 @@ def label(nranks: int, per_node: int | None) -> str:
     return f"{nranks}" + (f"/{per_node}" if per_node else "")
 
 
-def bench(nranks: int, per_node: int | None, sizes: str, iterations: int) -> list[dict]:
+def bench(nranks: int, per_node: int | None, sizes: str, iterations: int,
+          in_place: bool = False) -> list[dict]:
     """Run the bench under mpirun and return its JSON rows."""
     mpirun = pathlib.Path(sys.executable).parent / "mpirun"
     env = {**os.environ, **OPEN_MPI_ENV, "PYTHONPATH": str(ROOT)}
@@ -50,39 +61,93 @@ def bench(nranks: int, per_node: int | None, sizes: str, iterations: int) -> lis
         subprocess.run([str(mpirun if mpirun.exists() else "mpirun"), "-n", str(nranks),
                         sys.executable, "-m", "mpi4py", "-m", "mpiallreduce.bench", "--quiet",
                         "--no-validate", "--sizes", sizes, "--iterations", str(iterations),
-                        "--json", str(out)], env=env, check=True, timeout=600)
+                        "--json", str(out)] + (["--in-place"] if in_place else []),
+                       env=env, check=True, timeout=600)
         return json.loads(out.read_text())["rows"]
 
 
-def compare(measured: dict[str, list[dict]], machine: Machine, cores: int | None) -> list[dict]:
-    """Return one record per measured row: case, size, algorithm, measured and predicted µs.
+#: a repeated row is steady when every round lies within this band of the rows' median
+STEADY = 0.25
 
-    ``measured`` maps a case label ("2", "4", "8/4") to bench rows. All ranks of a case ran on
-    this machine, so a case with more ranks than ``cores`` is refused (``refused`` holds the
-    reason, ``predicted_us`` is None); so is a row the model cannot predict.
+
+def load_measured(paths: list[str]) -> dict[tuple[str, str], list[dict]]:
+    """Read saved rows: ``{(case label, mode): rows}``, mode "out" or "in" (in place).
+
+    A file is either ``{"cases": {label: rows}}`` (``--save-measured``, out of place unless it
+    says ``"in_place": true``) or the bench's own ``--json`` output (``meta`` and ``rows``).
+    """
+    measured: dict[tuple[str, str], list[dict]] = {}
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        if "cases" in data:
+            mode = "in" if data.get("in_place") else "out"
+            for case, rows in data["cases"].items():
+                measured.setdefault((case, mode), []).extend(rows)
+            continue
+        if "meta" not in data or "rows" not in data:
+            raise ValueError(f"{path}: neither saved rows ({{'cases': ...}}) nor bench --json "
+                             f"output ('meta' and 'rows')")
+        meta = data["meta"]
+        per_node = meta.get("ranks_per_node")
+        per_node = None if per_node is None or "real" in str(per_node) else int(per_node)
+        if per_node == meta["ranks"]:
+            per_node = None
+        key = (label(int(meta["ranks"]), per_node), "in" if meta.get("in_place") else "out")
+        measured.setdefault(key, []).extend(data["rows"])
+    return measured
+
+
+def steady(row: dict) -> bool | None:
+    """Did the bench's rounds agree within :data:`STEADY` of their median? None: one round."""
+    lo, hi, median = row.get("avg_lo_us"), row.get("avg_hi_us"), row.get("avg_us")
+    if lo is None or hi is None or not row.get("repeats", 1) > 1 or not median:
+        return None
+    return lo >= (1 - STEADY) * median and hi <= (1 + STEADY) * median
+
+
+def compare(measured: dict, machine: Machine, cores: int | None) -> list[dict]:
+    """Return one record per measured row: case, mode, size, algorithm, measured and predicted µs.
+
+    ``measured`` maps a case label ("2", "4", "8/4"), or a (label, mode) pair, to bench rows.
+    All ranks of a case ran on this machine, so a case with more ranks than ``cores`` is
+    refused (``refused`` holds the reason, ``predicted_us`` is None); so is a row the model
+    cannot predict.
     """
     records = []
+    keyed = {(key, "out") if isinstance(key, str) else key: rows for key, rows in measured.items()}
     for nranks, per_node in CASES:
-        rows = measured.get(label(nranks, per_node))
-        if not rows:
-            continue
-        topology = Topology.simulated(nranks, per_node or nranks)
-        refused = None
-        try:
-            check_cores(nranks, replace(machine, cores=cores))
-        except Oversubscribed as error:
-            refused = f"this machine: {error}"
-        for row in rows:
-            record = {"case": label(nranks, per_node), "nranks": nranks, "size": row["size"],
-                      "algorithm": row["algorithm"], "measured_us": row["avg_us"],
-                      "predicted_us": None, "refused": refused}
-            if refused is None:
-                try:
-                    record["predicted_us"] = predict(row["algorithm"], nranks, row["size"],
-                                                     topology, machine).time * 1e6
-                except ValueError as error:
-                    record["refused"] = str(error)
-            records.append(record)
+        for mode in ("out", "in"):
+            rows = keyed.get((label(nranks, per_node), mode))
+            if not rows:
+                continue
+            records += _compare_case(rows, nranks, per_node, mode, machine, cores)
+    return records
+
+
+def _compare_case(rows, nranks, per_node, mode, machine, cores) -> list[dict]:
+    topology = Topology.simulated(nranks, per_node or nranks)
+    refused = None
+    try:
+        check_cores(nranks, replace(machine, cores=cores))
+    except Oversubscribed as error:
+        refused = f"this machine: {error}"
+    records = []
+    for row in rows:
+        algorithm = row["algorithm"]
+        runs = row.get("runs") or algorithm
+        record = {"case": label(nranks, per_node), "mode": mode, "nranks": nranks,
+                  "size": row["size"], "algorithm": algorithm, "measured_us": row["avg_us"],
+                  "steady": steady(row), "predicted_us": None, "refused": refused}
+        if refused is None:
+            try:
+                if runs == "auto":
+                    raise ValueError("auto without the bench's runs column: what it ran is "
+                                     "unknown")
+                record["predicted_us"] = predict(runs, nranks, row["size"], topology, machine,
+                                                 in_place=mode == "in").time * 1e6
+            except ValueError as error:
+                record["refused"] = str(error)
+        records.append(record)
     return records
 
 
@@ -91,19 +156,27 @@ def within(record: dict, band: float) -> bool:
 
 
 def summary(records: list[dict]) -> list[str]:
-    """Lines: per case, rows compared and the share within each band; refused rows and why."""
-    lines = [f"# {'ranks':>5} {'rows':>5} {'compared':>8} "
-             + " ".join(f"{f'within +-{band:.0%}':>16}" for band in BANDS) + "  refused"]
-    for case in dict.fromkeys(record["case"] for record in records):
-        mine = [r for r in records if r["case"] == case]
+    """Lines: per case and mode, rows compared and the share within each band (of all compared
+    rows, and of the steady ones where the bench repeated its rounds); refused rows and why."""
+    lines = [f"# {'ranks':>5} {'mode':>4} {'rows':>5} {'compared':>8} "
+             + " ".join(f"{f'within +-{band:.0%}':>16}" for band in BANDS)
+             + f" {'steady':>6} " + " ".join(f"{f'steady +-{band:.0%}':>16}" for band in BANDS)
+             + "  refused"]
+    for case, mode in dict.fromkeys((record["case"], record["mode"]) for record in records):
+        mine = [r for r in records if r["case"] == case and r["mode"] == mode]
         compared = [r for r in mine if r["predicted_us"] is not None and r["measured_us"] > 0]
+        calm = [r for r in compared if r["steady"]]
         shares = []
-        for band in BANDS:
-            hits = sum(within(r, band) for r in compared)
-            share = f"{hits} ({hits / len(compared):.0%})" if compared else "-"
-            shares.append(f"{share:>16}")
+        for group in (compared, calm):
+            for band in BANDS:
+                hits = sum(within(r, band) for r in group)
+                share = f"{hits} ({hits / len(group):.0%})" if group else "-"
+                shares.append(f"{share:>16}")
+        repeated = any(r["steady"] is not None for r in compared)
         reasons = sorted({r["refused"] for r in mine if r["refused"]})
-        lines.append(f"# {case:>5} {len(mine):>5} {len(compared):>8} " + " ".join(shares)
+        lines.append(f"# {case:>5} {mode:>4} {len(mine):>5} {len(compared):>8} "
+                     + " ".join(shares[:2])
+                     + f" {len(calm) if repeated else '-':>6} " + " ".join(shares[2:])
                      + f"  {len(mine) - len(compared)}"
                      + (f": {'; '.join(reasons)}" if reasons else ""))
     return lines
@@ -120,15 +193,17 @@ def plot(records: list[dict], path: str) -> None:
     compared = [r for r in records if r["predicted_us"] is not None and r["measured_us"] > 0]
     markers = "osD^v<>phx*+"
     algorithms = sorted({r["algorithm"] for r in compared})
-    cases = list(dict.fromkeys(r["case"] for r in compared))
+    cases = list(dict.fromkeys((r["case"], r.get("mode", "out")) for r in compared))
     fig, ax = plt.subplots(figsize=(7, 6))
     for index, name in enumerate(algorithms):
-        for color, case in enumerate(cases):
-            mine = [r for r in compared if r["algorithm"] == name and r["case"] == case]
+        for color, (case, mode) in enumerate(cases):
+            mine = [r for r in compared if r["algorithm"] == name and r["case"] == case
+                    and r.get("mode", "out") == mode]
             if mine:
+                where = "" if mode == "out" else ", in place"
                 ax.scatter([r["measured_us"] for r in mine], [r["predicted_us"] for r in mine],
                            marker=markers[index % len(markers)], color=f"C{color % 10}",
-                           label=f"{name}, {case} ranks", s=22)
+                           label=f"{name}, {case} ranks{where}", s=22)
     if compared:
         values = [v for r in compared for v in (r["measured_us"], r["predicted_us"])]
         low, high = min(values) / 1.5, max(values) * 1.5
@@ -162,8 +237,11 @@ def main(argv=None, out=None) -> int:
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0))
                         if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                         help="cores of this machine (default: those this process may use)")
-    parser.add_argument("--measured", metavar="FILE.json",
-                        help="bench rows saved by --save-measured: predict only, run nothing")
+    parser.add_argument("--measured", metavar="FILE.json", action="append",
+                        help="bench rows saved by --save-measured, or a bench --json file "
+                             "(repeatable): predict only, run nothing")
+    parser.add_argument("--in-place", action="store_true",
+                        help="run the bench in place (--in-place) instead of out of place")
     parser.add_argument("--save-measured", metavar="FILE.json",
                         help="write the bench rows of this run for a later --measured")
     parser.add_argument("--plot", metavar="FILE.png",
@@ -171,22 +249,31 @@ def main(argv=None, out=None) -> int:
     opts = parser.parse_args(argv)
     machine = Machine.load(opts.machine) if opts.machine else DEFAULT_MACHINE
     if opts.measured:
-        measured = json.loads(pathlib.Path(opts.measured).read_text())["cases"]
+        try:
+            measured = load_measured(opts.measured)
+        except (OSError, ValueError, KeyError) as error:
+            print(f"predict_vs_measured: {error}", file=sys.stderr)
+            return 2
     else:
-        measured = {label(n, k): bench(n, k, opts.sizes, opts.iterations) for n, k in CASES}
+        mode = "in" if opts.in_place else "out"
+        rows = {label(n, k): bench(n, k, opts.sizes, opts.iterations, opts.in_place)
+                for n, k in CASES}
+        measured = {(case, mode): case_rows for case, case_rows in rows.items()}
         if opts.save_measured:
-            pathlib.Path(opts.save_measured).write_text(json.dumps({"cases": measured}) + "\n")
+            pathlib.Path(opts.save_measured).write_text(
+                json.dumps({"cases": rows, "in_place": opts.in_place}) + "\n")
     records = compare(measured, machine, opts.cores)
-    print(f"{'ranks':>7} {'size(B)':>9} {'algorithm':<20} {'measured(us)':>13} "
-          f"{'predicted(us)':>14} {'pred/meas':>9}", file=out)
+    print(f"{'ranks':>7} {'mode':>4} {'size(B)':>9} {'algorithm':<20} {'measured(us)':>13} "
+          f"{'predicted(us)':>14} {'pred/meas':>9} steady", file=out)
     for r in records:
+        calm = {None: "-", True: "yes", False: "no"}[r["steady"]]
+        head = (f"{r['case']:>7} {r['mode']:>4} {r['size']:>9} {r['algorithm']:<20} "
+                f"{r['measured_us']:>13.2f}")
         if r["predicted_us"] is None:
-            print(f"{r['case']:>7} {r['size']:>9} {r['algorithm']:<20} {r['measured_us']:>13.2f} "
-                  f"{'REFUSED':>14} {'-':>9}", file=out)
+            print(f"{head} {'REFUSED':>14} {'-':>9} {calm}", file=out)
             continue
-        print(f"{r['case']:>7} {r['size']:>9} {r['algorithm']:<20} {r['measured_us']:>13.2f} "
-              f"{r['predicted_us']:>14.2f} {r['predicted_us'] / r['measured_us']:>9.2f}",
-              file=out)
+        print(f"{head} {r['predicted_us']:>14.2f} {r['predicted_us'] / r['measured_us']:>9.2f} "
+              f"{calm}", file=out)
     print("\n".join(summary(records)), file=out)
     if opts.plot:
         plot(records, opts.plot)
