@@ -205,7 +205,10 @@ def _run_predict(opts, out) -> int:
     print(f"# intra alpha {machine.intra.alpha * 1e6:.2f} us, beta {machine.intra.beta:.3g} s/B; "
           f"inter alpha {machine.inter.alpha * 1e6:.2f} us, beta {machine.inter.beta:.3g} s/B; "
           f"gamma {machine.gamma_for(dtype):.3g} s/B; step {machine.step * 1e6:.2f} us; "
-          f"call {machine.call * 1e6:.2f} us", file=out)
+          f"request {machine.request * 1e6:.2f} us; combine {machine.combine * 1e6:.2f} us; "
+          f"call {machine.call * 1e6:.2f} us"
+          + ("; measured link curves" if machine.intra.curve or machine.inter.curve else ""),
+          file=out)
     print("# busbw = size/time*2(p-1)/p (GB/s); vs_native = native/time; * marks the fastest "
           "schedule of the size", file=out)
     print(f"# native: Open MPI 5.0 coll/tuned's fixed decision table in C ("
@@ -311,9 +314,17 @@ def _run_calibrate(opts, out) -> int:
         for name, value in machine.gamma:
             print(f"gamma {name}: {value:.4g} s/B ({1 / value / 1e9 if value else 0:.2f} GB/s)",
                   file=out)
-        print(f"step: {machine.step * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
+        print(f"step: {machine.step * 1e6:.2f} us, request: {machine.request * 1e6:.2f} us, "
+              f"combine: {machine.combine * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
               f"native_call: {machine.native_call * 1e6:.2f} us, cores: {machine.cores}",
               file=out)
+        curve = measured.curve or ()
+        print("one-way: " + ", ".join(f"{human(b)} {t * 1e6:.3g} us" for b, t in curve
+                                      if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)),
+              file=out)
+        print(f"shm: small {machine.shm_small * 1e6:.2f} us, large {machine.shm_large * 1e6:.2f} "
+              f"us per call; node bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
+              f"{machine.info.get('load')}", file=out)
         print(f"wrote {opts.output}", file=out)
     return 0
 
