@@ -291,7 +291,9 @@ def _allreduce_cost(comm, iterations: int = 100) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = None) -> Machine:
+def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = None,
+              rate_sizes: Sequence[int] = RATE_SIZES, bandwidth_bytes: int = 64 << 20
+              ) -> Machine:
     """Measure the machine under two ranks of ``comm`` (collective: call it on every rank).
 
     Every number is a measurement of this machine, none is fitted to the bench:
@@ -310,6 +312,8 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
 
     The measured link is the inter-node one when ranks 0 and 1 are on different nodes; the
     other class comes from ``inter`` (default :data:`NETWORK_100G`) or the default machine.
+    ``rate_sizes`` are the sizes of the combine and copy curves, ``bandwidth_bytes`` what each
+    rank copies for ``node_bandwidth`` (smaller ones make a quick, rougher calibration).
     """
     from mpi4py import MPI
 
@@ -327,9 +331,9 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     measured = Link(line.alpha, line.beta, tuple(zip(map(int, sizes), times)))
     gamma = tuple((name, comm.bcast(_gamma(name), root=0))
                   for name in ("float32", "float64", "int32", "int64"))
-    gamma_curve = comm.bcast(_gamma_curve(), root=0)
+    gamma_curve = comm.bcast(_gamma_curve(rate_sizes), root=0)
     copy = comm.bcast(_copy_cost(), root=0)
-    copy_curve = comm.bcast(_copy_curve(), root=0)
+    copy_curve = comm.bcast(_copy_curve(rate_sizes), root=0)
     shapes = _interpreter_terms(comm)
     message = float(measured.cost(8))
     gamma64 = dict(gamma)["float64"]
@@ -353,7 +357,7 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     inter = measured if across else (NETWORK_100G if inter is None else inter)
     shm = {} if across else {size: _shm_cost(comm, size, 100)
                              for size in (8, 2 * SMALL_BYTES)}
-    bandwidth = 0.0 if across else _node_bandwidth(comm)
+    bandwidth = 0.0 if across else _node_bandwidth(comm, bandwidth_bytes)
     info = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00"),
             "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
             "python": platform.python_version(), "host": platform.node(),
