@@ -15,6 +15,10 @@ in place), and may be given more than once. ``auto`` rows are predicted as what 
 (the bench's ``runs`` column). Where the bench repeated its rounds (``--repeat``), a row whose
 rounds spread beyond +-25% of their median is *unsteady*: the machine did not reproduce it, so
 no model can be held to it; the summary gives the shares over all rows and over the steady ones.
+The bench measures every size's rounds within seconds, so a slow spell of the machine moves
+every algorithm of a size together; the second summary compares each algorithm's time
+relative to native measured in the same rounds (the bench's ``vs_native``) with the model's
+ratio, which such a common factor cancels.
 
 Runs with more ranks than this machine has cores (``--cores``, default: the cores this process
 may run on) are not predicted: the model has no core-sharing term
@@ -132,6 +136,7 @@ def _compare_case(rows, nranks, per_node, mode, machine, cores) -> list[dict]:
     except Oversubscribed as error:
         refused = f"this machine: {error}"
     records = []
+    native = {}
     for row in rows:
         algorithm = row["algorithm"]
         runs = row.get("runs") or algorithm
@@ -147,8 +152,37 @@ def _compare_case(rows, nranks, per_node, mode, machine, cores) -> list[dict]:
                                                  in_place=mode == "in").time * 1e6
             except ValueError as error:
                 record["refused"] = str(error)
+        ratio = row.get("vs_native")
+        record["measured_vs_native"] = ratio if isinstance(ratio, (int, float)) \
+            and ratio == ratio and ratio > 0 else None
+        if algorithm == "native":
+            native[row["size"]] = record["predicted_us"]
         records.append(record)
+    for record in records:  # the model's native / algorithm, as the bench's vs_native
+        predicted, reference = record["predicted_us"], native.get(record["size"])
+        record["predicted_vs_native"] = (reference / predicted if predicted and reference
+                                         and record["algorithm"] != "native" else None)
     return records
+
+
+def relative_summary(records: list[dict]) -> list[str]:
+    """Lines: per case and mode, the rows whose time relative to native in the same rounds
+    (the bench's vs_native) the model's ratio matches within each band."""
+    lines = [f"# relative to native (vs_native, same rounds): {'ranks':>5} {'mode':>4} "
+             f"{'rows':>5} " + " ".join(f"{f'within +-{band:.0%}':>16}" for band in BANDS)]
+    for case, mode in dict.fromkeys((record["case"], record["mode"]) for record in records):
+        mine = [r for r in records if r["case"] == case and r["mode"] == mode
+                and r.get("predicted_vs_native") and r.get("measured_vs_native")]
+        if not mine:
+            continue
+        shares = []
+        for band in BANDS:
+            hits = sum(abs(r["predicted_vs_native"] / r["measured_vs_native"] - 1) <= band
+                       for r in mine)
+            shares.append(f"{f'{hits} ({hits / len(mine):.0%})':>16}")
+        lines.append(f"# relative to native (vs_native, same rounds): {case:>5} {mode:>4} "
+                     f"{len(mine):>5} " + " ".join(shares))
+    return lines
 
 
 def within(record: dict, band: float) -> bool:
@@ -275,6 +309,9 @@ def main(argv=None, out=None) -> int:
         print(f"{head} {r['predicted_us']:>14.2f} {r['predicted_us'] / r['measured_us']:>9.2f} "
               f"{calm}", file=out)
     print("\n".join(summary(records)), file=out)
+    relative = relative_summary(records)
+    if len(relative) > 1:
+        print("\n".join(relative), file=out)
     if opts.plot:
         plot(records, opts.plot)
         print(f"# wrote {opts.plot}", file=out)

@@ -549,6 +549,12 @@ def test_shm_regimes_and_the_node_bandwidth():
     assert predict("shm", p, large, machine=machine).time == pytest.approx(
         5e-6 + large * 1e-10 + (p - 1) * (part * GAMMA + 4e-7) + part * 1e-10
         + (p - 1) * (part * 1e-10 + 4e-7), rel=1e-12)
+    # reading the peers' freshly written slots: (p-1) whole slots small, 2(p-1) blocks large
+    peer = replace_(machine, shm_peer=3e-10)
+    assert predict("shm", p, small, machine=peer).time - predict(
+        "shm", p, small, machine=machine).time == pytest.approx((p - 1) * small * 3e-10)
+    assert predict("shm", p, large, machine=peer).time - predict(
+        "shm", p, large, machine=machine).time == pytest.approx(2 * (p - 1) * part * 3e-10)
     assert predict("shm", p, SMALL_BYTES, machine=machine).steps == 1
     assert predict("shm", p, 2 * SMALL_BYTES, machine=machine).steps == 2
     # a node moving 1 GB/s for all its ranks: every phase is bound by p times its bytes
@@ -565,8 +571,8 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     import pathlib
 
     path = tmp_path / "rich.json"
-    rich = replace_(RICH, native_call=4e-7, shm_small=1e-6, shm_large=2e-5, node_bandwidth=2e10,
-                    cores=2)
+    rich = replace_(RICH, native_call=4e-7, shm_small=1e-6, shm_large=2e-5, shm_peer=1e-10,
+                    node_bandwidth=2e10, cores=2)
     rich.save(path)
     again = Machine.load(path)
     assert again == rich and again.intra.curve == rich.intra.curve
@@ -577,8 +583,8 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     assert "request" not in old and "curve" not in old["intra"]
     machine = Machine.from_dict(old)
     assert machine.intra.curve is None and machine.gamma_curve is None
-    assert (machine.request, machine.combine, machine.shm_small, machine.node_bandwidth) == (
-        0.0, 0.0, 0.0, 0.0)
+    assert (machine.request, machine.combine, machine.shm_small, machine.shm_peer,
+            machine.node_bandwidth) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert machine.intra.cost(1024) == pytest.approx(machine.intra.alpha
                                                      + 1024 * machine.intra.beta)
     for bad in ([[8, -1.0]], [[8, 1.0], [8, 2.0]], "no", [[0, 1.0]]):

@@ -307,7 +307,8 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
       one-element steps (:func:`_interpreter_terms`), less the ping-pong's message;
     - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
     - ``shm_small``/``shm_large``: the shm transport's run at 8 B and 64 KiB less the model's
-      copies and combines there; ``node_bandwidth``: all ranks copying 64 MiB at once;
+      copies and combines there, ``shm_peer`` from its run at 16 KiB (the small regime's
+      per-byte read of the peers' slots); ``node_bandwidth``: all ranks copying 64 MiB at once;
     - ``cores``: those this process may run on.
 
     The measured link is the inter-node one when ranks 0 and 1 are on different nodes; the
@@ -356,7 +357,7 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     intra = DEFAULT_MACHINE.intra if across else measured
     inter = measured if across else (NETWORK_100G if inter is None else inter)
     shm = {} if across else {size: _shm_cost(comm, size, 100)
-                             for size in (8, 2 * SMALL_BYTES)}
+                             for size in (8, SMALL_BYTES // 2, 2 * SMALL_BYTES)}
     bandwidth = 0.0 if across else _node_bandwidth(comm, bandwidth_bytes)
     info = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00"),
             "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
@@ -381,11 +382,14 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     # native_call: what comm.Allreduce costs beyond the model of Open MPI's algorithm for it
     modelled = predict("native", comm.Get_size(), 8, split, machine, "float64").time
     machine = replace(machine, native_call=max(0.0, allreduce - modelled))
-    if shm.get(8) is not None and split.nnodes == 1:
-        nranks = comm.Get_size()
-        small = shm[8] - predict("shm", nranks, 8, split, machine).time
-        large = (shm[2 * SMALL_BYTES] - predict("shm", nranks, 2 * SMALL_BYTES, split,
-                                                machine).time
-                 if shm.get(2 * SMALL_BYTES) is not None else 0.0)
-        machine = replace(machine, shm_small=max(0.0, small), shm_large=max(0.0, large))
+    if all(shm.get(size) is not None for size in shm) and shm and split.nnodes == 1:
+        # the small regime's fixed cost at 8 B, its per-byte read of the peers' slots from
+        # 16 KiB, then the large regime's fixed cost at 64 KiB with that rate
+        nranks, half, large_size = comm.Get_size(), SMALL_BYTES // 2, 2 * SMALL_BYTES
+        small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
+        machine = replace(machine, shm_small=small)
+        rest = shm[half] - predict("shm", nranks, half, split, machine).time
+        machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
+        large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
+        machine = replace(machine, shm_large=max(0.0, large))
     return replace(machine, cores=comm.bcast(cores, root=0))

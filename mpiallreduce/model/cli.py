@@ -323,7 +323,8 @@ def _run_calibrate(opts, out) -> int:
                                       if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)),
               file=out)
         print(f"shm: small {machine.shm_small * 1e6:.2f} us, large {machine.shm_large * 1e6:.2f} "
-              f"us per call; node bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
+              f"us per call, {machine.shm_peer:.3g} s/B from the peers' slots; node "
+              f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
               f"{machine.info.get('load')}", file=out)
         print(f"wrote {opts.output}", file=out)
     return 0

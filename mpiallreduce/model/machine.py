@@ -192,6 +192,8 @@ class Machine:
         shm_small, shm_large: seconds per call of the shared-memory transport (``"shm"``)
             beyond its copies and combines, in its small and large regimes (Python, the
             counters, waiting for the peers).
+        shm_peer: seconds per byte a rank of the shm transport reads from slots its peers have
+            just written (the lines come from the peer's cache), beyond the combine's γ.
         node_bandwidth: bytes per second a node's memory moves for all its ranks at once
             (reads plus writes), or 0 (no limit): the shm transport's copies and combines run
             on every rank of the node together and cannot go faster than this.
@@ -218,6 +220,7 @@ class Machine:
     copy_curve: tuple[tuple[int, float], ...] | None = None
     shm_small: float = 0.0
     shm_large: float = 0.0
+    shm_peer: float = 0.0
     node_bandwidth: float = 0.0
     info: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -265,6 +268,7 @@ class Machine:
                 "gamma_curve": curve(self.gamma_curve), "copy": self.copy,
                 "copy_curve": curve(self.copy_curve), "native_call": self.native_call,
                 "shm_small": self.shm_small, "shm_large": self.shm_large,
+                "shm_peer": self.shm_peer,
                 "node_bandwidth": self.node_bandwidth, "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
 
@@ -297,6 +301,7 @@ class Machine:
                    gamma_curve=data.get("gamma_curve"), copy_curve=data.get("copy_curve"),
                    shm_small=float(data.get("shm_small", 0.0)),
                    shm_large=float(data.get("shm_large", 0.0)),
+                   shm_peer=float(data.get("shm_peer", 0.0)),
                    node_bandwidth=float(data.get("node_bandwidth", 0.0)),
                    info=dict(data.get("info", {})))
 

@@ -151,7 +151,8 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     across the p slots, copy it into the slot, publish and wait, copy the p-1 other blocks
     out. Each phase runs on every rank of the node at once, so its bytes (reads and writes of
     all p ranks) cannot move faster than ``node_bandwidth``. ``shm_small``/``shm_large`` are
-    the calibrated seconds per call beyond the copies and combines (Python, counters, waits).
+    the calibrated seconds per call beyond the copies and combines (Python, counters, waits),
+    ``shm_peer`` the seconds per byte read from the peers' freshly written slots.
     """
     from ..shm import SMALL_BYTES
 
@@ -178,13 +179,16 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
         steps = 0
     elif size <= SMALL_BYTES:
         time_ = (machine.shm_small + phase(copy(size), 2 * size)
-                 + phase((p - 1) * combine(size), (2 * p - 1) * size))
+                 + phase((p - 1) * (combine(size) + size * machine.shm_peer),
+                         (2 * p - 1) * size))
         steps = 1
     else:
         part = -(-size // p)
+        peer = (p - 1) * part * machine.shm_peer
         time_ = (machine.shm_large + phase(copy(size), 2 * size)
-                 + phase((p - 1) * combine(part) + copy(part), (p + 3) * part)
-                 + phase((p - 1) * (copy(part) + machine.combine), 2 * (p - 1) * part))
+                 + phase((p - 1) * combine(part) + peer + copy(part), (p + 3) * part)
+                 + phase((p - 1) * (copy(part) + machine.combine) + peer,
+                         2 * (p - 1) * part))
         steps = 2
     zeros = np.zeros(nranks, dtype=np.int64)
     return Prediction(SHM, nranks, size, time_, np.full(nranks, time_), zeros, zeros.copy(),
