@@ -417,13 +417,18 @@ def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):
     # the bench's own --json, in place, repeated rounds: auto predicted as what it ran, and
     # the shares over the steady rows (rounds within +-25% of their median) beside all rows
     bench_rows = []
-    for algorithm, runs, ratio, spread in (("ring", "ring", 1.0, 0.1), ("tree", "tree", 1.2, 0.5),
+    native_us = predict("native", 2, 1024, in_place=True).time * 1e6
+    for algorithm, runs, ratio, spread in (("native", "native", 1.0, 0.1),
+                                           ("ring", "ring", 1.0, 0.1), ("tree", "tree", 1.2, 0.5),
                                            ("auto", "shm", 1.0, 0.1)):
         predicted = predict(runs, 2, 1024, in_place=True).time * 1e6
         median = predicted / ratio
+        # vs_native as the bench writes it: native / this row, the model's ratio times 2
+        # for the ring (off by half), exact for the others
+        vs = native_us / predicted * (2.0 if algorithm == "ring" else 1.0)
         bench_rows.append({"size": 1024, "algorithm": algorithm, "runs": runs,
                            "avg_us": median, "avg_lo_us": median * (1 - spread),
-                           "avg_hi_us": median * (1 + spread), "repeats": 3})
+                           "avg_hi_us": median * (1 + spread), "repeats": 3, "vs_native": vs})
     bench = tmp_path / "bench-in.json"
     bench.write_text(json.dumps({"meta": {"ranks": 2, "ranks_per_node": "2 (real: 1 node(s))",
                                           "in_place": True}, "rows": bench_rows}))
@@ -432,9 +437,13 @@ def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):
                        out=out) == 0
     summary = [line.split() for line in out.getvalue().splitlines() if line.startswith("#     2")]
     assert [row[2] for row in summary] == ["out", "in"]
-    # in place: 3 rows, all within +-25%; 2 steady, both within
-    assert summary[1][3:9] == ["3", "3", "3", "(100%)", "3", "(100%)"]
-    assert summary[1][9:12] == ["2", "2", "(100%)"]
+    # in place: 4 rows, all within +-25%; 3 steady, all within
+    assert summary[1][3:9] == ["4", "4", "4", "(100%)", "4", "(100%)"]
+    assert summary[1][9:12] == ["3", "3", "(100%)"]
+    # relative to native: ring, tree and auto (native itself left out); the ring's ratio is off
+    relative = [line.split(":")[1].split() for line in out.getvalue().splitlines()
+                if line.startswith("# relative to native") and " in " in line]
+    assert relative == [["2", "in", "3", "2", "(67%)", "2", "(67%)"]]
 
 
 # -- native as Open MPI 5.0's decision table and copies (issue 24, item 1) -----------------------
