@@ -8,6 +8,8 @@ against measured.
     scripts/predict_vs_measured.py --measured bench.json --plot pvm.png   # saved bench rows
     scripts/predict_vs_measured.py --machine scripts/machine-quiet.json \
         --measured scripts/bench-n2-out.json --measured scripts/bench-n2-in.json
+    scripts/predict_vs_measured.py --calibrate machine.json --ranks 2 --modes out,in \
+        --sizes 8:64M --repeat 3     # calibrate, then the bench, back to back (quiet machine)
 
 ``--measured`` takes rows saved by ``--save-measured`` or the ``--json`` file of
 ``mpiallreduce.bench`` itself (its header says the ranks, simulated nodes and whether it ran
@@ -53,21 +55,36 @@ def label(nranks: int, per_node: int | None) -> str:
     return f"{nranks}" + (f"/{per_node}" if per_node else "")
 
 
-def bench(nranks: int, per_node: int | None, sizes: str, iterations: int,
-          in_place: bool = False) -> list[dict]:
-    """Run the bench under mpirun and return its JSON rows."""
+def _mpirun(nranks: int) -> list[str]:
     mpirun = pathlib.Path(sys.executable).parent / "mpirun"
+    return [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(nranks), sys.executable,
+            "-m", "mpi4py", "-m"]
+
+
+def bench(nranks: int, per_node: int | None, sizes: str, iterations: int | None,
+          in_place: bool = False, repeat: int = 1) -> list[dict]:
+    """Run the bench under mpirun and return its JSON rows."""
     env = {**os.environ, **OPEN_MPI_ENV, "PYTHONPATH": str(ROOT)}
     if per_node:
         env["MPIALLREDUCE_RANKS_PER_NODE"] = str(per_node)
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "bench.json"
-        subprocess.run([str(mpirun if mpirun.exists() else "mpirun"), "-n", str(nranks),
-                        sys.executable, "-m", "mpi4py", "-m", "mpiallreduce.bench", "--quiet",
-                        "--no-validate", "--sizes", sizes, "--iterations", str(iterations),
-                        "--json", str(out)] + (["--in-place"] if in_place else []),
-                       env=env, check=True, timeout=600)
+        subprocess.run(_mpirun(nranks) + ["mpiallreduce.bench", "--quiet", "--no-validate",
+                                          "--sizes", sizes, "--repeat", str(repeat),
+                                          "--json", str(out)]
+                       + ([] if iterations is None else ["--iterations", str(iterations)])
+                       + (["--in-place"] if in_place else []),
+                       env=env, check=True, timeout=1800)
         return json.loads(out.read_text())["rows"]
+
+
+def calibrate(path: str) -> Machine:
+    """Run ``model calibrate`` at -n 2 now (right before the bench: this machine's speed moves
+    over minutes, so a calibration is only comparable with a bench run next to it)."""
+    env = {**os.environ, **OPEN_MPI_ENV, "PYTHONPATH": str(ROOT)}
+    subprocess.run(_mpirun(2) + ["mpiallreduce.model", "calibrate", "-o", path], env=env,
+                   check=True, timeout=600, stdout=subprocess.DEVNULL)
+    return Machine.load(path)
 
 
 #: a repeated row is steady when every round lies within this band of the rows' median
@@ -266,8 +283,19 @@ def main(argv=None, out=None) -> int:
     out = sys.stdout if out is None else out
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", help="calibration JSON (default: the built-in machine)")
+    parser.add_argument("--calibrate", metavar="FILE.json",
+                        help="run calibrate at -n 2 into FILE first and predict from it (not "
+                             "with --measured)")
     parser.add_argument("--sizes", default="8:64K")
-    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="timed runs per row (default: the bench's, by size)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="the bench's interleaved rounds (3 gives the steady rows)")
+    parser.add_argument("--ranks", default="2,4,8/4", metavar="LIST",
+                        help="cases to run: ranks, or ranks/ranks per simulated node "
+                             "(default: 2,4,8/4)")
+    parser.add_argument("--modes", default=None, metavar="LIST",
+                        help="out, in or both (out,in) (default: out, or in with --in-place)")
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0))
                         if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                         help="cores of this machine (default: those this process may use)")
@@ -281,7 +309,11 @@ def main(argv=None, out=None) -> int:
     parser.add_argument("--plot", metavar="FILE.png",
                         help="predicted against measured (needs matplotlib: the plot extra)")
     opts = parser.parse_args(argv)
+    if opts.calibrate and opts.measured:
+        parser.error("--calibrate measures this machine now; --measured re-predicts old rows")
     machine = Machine.load(opts.machine) if opts.machine else DEFAULT_MACHINE
+    if opts.calibrate:
+        machine = calibrate(opts.calibrate)
     if opts.measured:
         try:
             measured = load_measured(opts.measured)
@@ -289,13 +321,24 @@ def main(argv=None, out=None) -> int:
             print(f"predict_vs_measured: {error}", file=sys.stderr)
             return 2
     else:
-        mode = "in" if opts.in_place else "out"
-        rows = {label(n, k): bench(n, k, opts.sizes, opts.iterations, opts.in_place)
-                for n, k in CASES}
-        measured = {(case, mode): case_rows for case, case_rows in rows.items()}
+        modes = (opts.modes or ("in" if opts.in_place else "out")).split(",")
+        wanted = {case.strip() for case in opts.ranks.split(",")}
+        cases = [(n, k) for n, k in CASES if label(n, k) in wanted]
+        if not cases or set(modes) - {"out", "in"}:
+            parser.error(f"--ranks takes {', '.join(label(n, k) for n, k in CASES)}; --modes "
+                         f"out and in")
+        measured, saved = {}, {}
+        for mode in modes:
+            for n, k in cases:
+                rows = bench(n, k, opts.sizes, opts.iterations, mode == "in", opts.repeat)
+                measured[(label(n, k), mode)] = rows
+                saved.setdefault(mode, {})[label(n, k)] = rows
         if opts.save_measured:
-            pathlib.Path(opts.save_measured).write_text(
-                json.dumps({"cases": rows, "in_place": opts.in_place}) + "\n")
+            for mode, rows in saved.items():
+                path = pathlib.Path(opts.save_measured)
+                if len(saved) > 1:
+                    path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
+                path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
     records = compare(measured, machine, opts.cores)
     print(f"{'ranks':>7} {'mode':>4} {'size(B)':>9} {'algorithm':<20} {'measured(us)':>13} "
           f"{'predicted(us)':>14} {'pred/meas':>9} steady", file=out)
