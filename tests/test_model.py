@@ -571,6 +571,11 @@ def test_shm_regimes_and_the_node_bandwidth():
     bound = predict("shm", p, large, machine=slow).time
     assert bound == pytest.approx(5e-6 + p * 2 * large / 1e9 + p * (p + 3) * part / 1e9
                                   + p * 2 * (p - 1) * part / 1e9, rel=1e-12)
+    # measured by size: the caches carry small phases (no bound), memory the large ones
+    curved = replace_(slow, node_curve=((4096, 1e12), (1 << 16, 1e12), (1 << 18, 1e9)))
+    assert predict("shm", p, small, machine=curved).time == pytest.approx(
+        predict("shm", p, small, machine=machine).time, rel=1e-12)
+    assert predict("shm", p, large, machine=curved).time == pytest.approx(bound, rel=1e-12)
     with pytest.raises(ValueError, match="one node"):
         predict("shm", 8, 1024, Topology.simulated(8, 4), machine)
 
@@ -581,11 +586,12 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
 
     path = tmp_path / "rich.json"
     rich = replace_(RICH, native_call=4e-7, shm_small=1e-6, shm_large=2e-5, shm_peer=1e-10,
-                    node_bandwidth=2e10, cores=2)
+                    node_bandwidth=2e10, node_curve=((4096, 1e11), (1 << 26, 2e10)), cores=2)
     rich.save(path)
     again = Machine.load(path)
     assert again == rich and again.intra.curve == rich.intra.curve
     assert again.gamma_curve == rich.gamma_curve and again.copy_curve == rich.copy_curve
+    assert again.node_curve == rich.node_curve
     # a machine file written before these fields: no curves, no request or combine terms
     old = json.loads((pathlib.Path(__file__).parent.parent / "scripts" / "machine-vm.json")
                      .read_text())

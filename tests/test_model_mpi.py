@@ -29,6 +29,7 @@ def test_calibrate_measures_every_term_on_every_rank():
     assert min(machine.request, machine.combine, machine.step, machine.call,
                machine.native_call, machine.shm_small, machine.shm_large, machine.shm_peer) >= 0
     assert machine.node_bandwidth > 0 and machine.cores >= 1
+    assert [b for b, _ in machine.node_curve] == [4096, 1 << 16, 1 << 20]
     assert set(machine.info["shm_run_s"]) == {"8", "16384", "65536"}
     assert set(machine.info["plan_run_s"]) >= {"chain per step", "exchange per step",
                                                "reducing exchange per step"}

@@ -235,13 +235,15 @@ def _node_bandwidth(comm, nbytes: int = 64 << 20) -> float:
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.empty_like(source)
     np.copyto(target, source)
+    copies = max(1, min(64, (4 << 20) // max(nbytes, 1)))  # a round of ~4 MiB or one copy
     best = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(REPEATS if nbytes >= 1 << 20 else SHORT_REPEATS):
         comm.Barrier()
         start = MPI.Wtime()
-        np.copyto(target, source)
+        for _ in range(copies):
+            np.copyto(target, source)
         # the slowest rank's copy ends the phase
-        best = min(best, comm.allreduce(MPI.Wtime() - start, op=MPI.MAX))
+        best = min(best, comm.allreduce((MPI.Wtime() - start) / copies, op=MPI.MAX))
     return comm.Get_size() * 2 * nbytes / best
 
 
@@ -308,7 +310,8 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
     - ``shm_small``/``shm_large``: the shm transport's run at 8 B and 64 KiB less the model's
       copies and combines there, ``shm_peer`` from its run at 16 KiB (the small regime's
-      per-byte read of the peers' slots); ``node_bandwidth``: all ranks copying 64 MiB at once;
+      per-byte read of the peers' slots); ``node_bandwidth``: all ranks copying 64 MiB at once,
+      and ``node_curve`` the same at every size of ``rate_sizes`` below it;
     - ``cores``: those this process may run on.
 
     The measured link is the inter-node one when ranks 0 and 1 are on different nodes; the
@@ -358,7 +361,11 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     inter = measured if across else (NETWORK_100G if inter is None else inter)
     shm = {} if across else {size: _shm_cost(comm, size, 100)
                              for size in (8, SMALL_BYTES // 2, 2 * SMALL_BYTES)}
+    node_curve = None if across else tuple(
+        (size, _node_bandwidth(comm, size)) for size in rate_sizes if size < bandwidth_bytes)
     bandwidth = 0.0 if across else _node_bandwidth(comm, bandwidth_bytes)
+    if node_curve is not None:
+        node_curve += ((bandwidth_bytes, bandwidth),)
     info = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00"),
             "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
             "python": platform.python_version(), "host": platform.node(),
@@ -378,7 +385,7 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
             "allreduce_1_float64_s": allreduce}
     machine = Machine(intra, inter, gamma, per_step, per_call, copy, info=info,
                       request=request, combine=combine, gamma_curve=gamma_curve,
-                      copy_curve=copy_curve, node_bandwidth=bandwidth)
+                      copy_curve=copy_curve, node_bandwidth=bandwidth, node_curve=node_curve)
     # native_call: what comm.Allreduce costs beyond the model of Open MPI's algorithm for it
     modelled = predict("native", comm.Get_size(), 8, split, machine, "float64").time
     machine = replace(machine, native_call=max(0.0, allreduce - modelled))

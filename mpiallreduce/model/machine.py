@@ -197,6 +197,9 @@ class Machine:
         node_bandwidth: bytes per second a node's memory moves for all its ranks at once
             (reads plus writes), or 0 (no limit): the shm transport's copies and combines run
             on every rank of the node together and cannot go faster than this.
+        node_curve: measured ``node_bandwidth`` by the bytes each rank copies,
+            ``((bytes, B/s), ...)``, or None (``node_bandwidth`` at every size): the node's
+            caches carry small copies of all its ranks at once far faster than its memory.
         switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
             algorithm ``"sharp"`` uses it.
         cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
@@ -222,6 +225,7 @@ class Machine:
     shm_large: float = 0.0
     shm_peer: float = 0.0
     node_bandwidth: float = 0.0
+    node_curve: tuple[tuple[int, float], ...] | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -229,7 +233,7 @@ class Machine:
                                        or not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"machine cores must be a positive integer (per node) or None, "
                              f"got {self.cores!r}")
-        for name in ("gamma_curve", "copy_curve"):
+        for name in ("gamma_curve", "copy_curve", "node_curve"):
             object.__setattr__(self, name, _points(getattr(self, name), f"machine {name}"))
 
     def gamma_at(self, dtype, nbytes):
@@ -240,6 +244,12 @@ class Machine:
         base = dict(self.gamma).get("float32", gamma) or gamma
         scale = gamma / base if base else 1.0
         return _interpolate(self.gamma_curve, nbytes, log=True) * scale
+
+    def node_bandwidth_at(self, nbytes) -> float:
+        """Bytes per second of the node's memory when each rank moves ``nbytes`` (0: no limit)."""
+        if self.node_curve is None:
+            return self.node_bandwidth
+        return float(_interpolate(self.node_curve, nbytes, log=True))
 
     def copy_at(self, nbytes):
         """Seconds per byte of an allocate-and-copy of ``nbytes`` (number or array)."""
@@ -269,7 +279,8 @@ class Machine:
                 "copy_curve": curve(self.copy_curve), "native_call": self.native_call,
                 "shm_small": self.shm_small, "shm_large": self.shm_large,
                 "shm_peer": self.shm_peer,
-                "node_bandwidth": self.node_bandwidth, "cores": self.cores,
+                "node_bandwidth": self.node_bandwidth, "node_curve": curve(self.node_curve),
+                "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
 
     @classmethod
@@ -303,6 +314,7 @@ class Machine:
                    shm_large=float(data.get("shm_large", 0.0)),
                    shm_peer=float(data.get("shm_peer", 0.0)),
                    node_bandwidth=float(data.get("node_bandwidth", 0.0)),
+                   node_curve=data.get("node_curve"),
                    info=dict(data.get("info", {})))
 
     @classmethod

@@ -150,7 +150,8 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     the whole message). Large: copy in, publish and wait, combine this rank's block (1/p)
     across the p slots, copy it into the slot, publish and wait, copy the p-1 other blocks
     out. Each phase runs on every rank of the node at once, so its bytes (reads and writes of
-    all p ranks) cannot move faster than ``node_bandwidth``. ``shm_small``/``shm_large`` are
+    all p ranks) cannot move faster than the node's bandwidth at that size (``node_curve``, else
+    ``node_bandwidth``). ``shm_small``/``shm_large`` are
     the calibrated seconds per call beyond the copies and combines (Python, counters, waits),
     ``shm_peer`` the seconds per byte read from the peers' freshly written slots.
     """
@@ -164,8 +165,10 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     name = np.dtype(dtype).name
 
     def phase(per_rank_seconds: float, traffic_per_rank: float) -> float:
-        if machine.node_bandwidth > 0 and p > 1:
-            return max(per_rank_seconds, p * traffic_per_rank / machine.node_bandwidth)
+        # the node's rate where each rank moves this phase's bytes (its caches for small ones)
+        bandwidth = machine.node_bandwidth_at(traffic_per_rank / 2) if p > 1 else 0.0
+        if bandwidth > 0:
+            return max(per_rank_seconds, p * traffic_per_rank / bandwidth)
         return per_rank_seconds
 
     def copy(nbytes_):
