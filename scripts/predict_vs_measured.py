@@ -340,6 +340,11 @@ def main(argv=None, out=None) -> int:
                     path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
                 path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
     records = compare(measured, machine, opts.cores)
+    info = machine.info
+    print(f"# machine: {opts.calibrate or opts.machine or 'built-in'} ("
+          f"{info.get('host', '')} {info.get('date', info.get('source', ''))}, load "
+          f"{info.get('load', '?')}); measured: {', '.join(opts.measured or ['this run'])}",
+          file=out)
     print(f"{'ranks':>7} {'mode':>4} {'size(B)':>9} {'algorithm':<20} {'measured(us)':>13} "
           f"{'predicted(us)':>14} {'pred/meas':>9} steady", file=out)
     for r in records:
