@@ -605,3 +605,18 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     for bad in ([[8, -1.0]], [[8, 1.0], [8, 2.0]], "no", [[0, 1.0]]):
         with pytest.raises(ValueError, match="curve"):
             Link(1e-6, 1e-9, bad)
+
+
+def test_predict_command_in_place_drops_native_s_copy():
+    import io
+
+    times = []
+    for extra in ([], ["--in-place"]):
+        out = io.StringIO()
+        assert main(["predict", "--ranks", "2", "--sizes", "64K:64K", "--algorithms", "native"]
+                    + extra, out=out) == 0
+        row = next(line.split() for line in out.getvalue().splitlines()
+                   if line.strip().startswith("65536"))
+        times.append(float(row[2]))
+    # Open MPI's ring copies sendbuf into recvbuf out of place only
+    assert times[0] - times[1] == pytest.approx(65536 * DEFAULT_MACHINE.copy * 1e6, rel=1e-3)

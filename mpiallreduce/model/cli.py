@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--switch", choices=sorted(SWITCHES), default=None,
                       help="add in-network reduction (modelled only, parameters printed and "
                            "cited) and the algorithm 'sharp' that uses it")
+    pred.add_argument("--in-place", action="store_true",
+                      help="predict sendbuf = MPI.IN_PLACE (the executor's scratch copies, "
+                           "Open MPI's copies in place)")
     pred.add_argument("--non-commutative", action="store_true",
                       help="predict for a non-commutative op (algorithms that reorder are left out)")
     pred.add_argument("--plot", metavar="FILE.png",
@@ -112,7 +115,7 @@ def _algorithms(text: str, commutative: bool, machine: Machine | None = None) ->
 
 def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
                   names: Sequence[str], machine: Machine, dtype="float32",
-                  commutative: bool = True) -> list[dict]:
+                  commutative: bool = True, in_place: bool = False) -> list[dict]:
     """Return one row per (size, algorithm): time, busbw, winner flag, messages, inter bytes."""
     topology = Topology.simulated(nranks, ranks_per_node or nranks)
     itemsize = np.dtype(dtype).itemsize
@@ -126,7 +129,8 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
             params = ({"ordered": True} if not commutative and (name == "native"
                                                                 or "ordered" in accepted) else {})
             try:
-                found.append(predict(name, nranks, size, topology, machine, dtype, **params))
+                found.append(predict(name, nranks, size, topology, machine, dtype,
+                                     in_place=in_place, **params))
             except ValueError as error:
                 rows.append({"size": size, "algorithm": name, "skipped": str(error)})
         # the winner among the schedules; native (MPI's C code, modelled) is the reference
@@ -198,7 +202,7 @@ def _run_predict(opts, out) -> int:
     names = _algorithms(opts.algorithms, not opts.non_commutative, machine)
     start = time.perf_counter()
     rows = predict_table(opts.ranks, opts.ranks_per_node, sizes, names, machine, dtype,
-                         not opts.non_commutative)
+                         not opts.non_commutative, opts.in_place)
     source = machine.info.get("host") or machine.info.get("source", "")
     print(f"# mpiallreduce.model: {opts.ranks} ranks, {opts.ranks_per_node or opts.ranks} per "
           f"node, {dtype.name}; machine: {opts.machine or 'built-in'} ({source})", file=out)
