@@ -1,10 +1,26 @@
 #!/usr/bin/env python3
 """Run the bench at -n 2, -n 4 and -n 8 (2 simulated nodes of 4), predict the same cases from a
 calibration, and print predicted / measured per algorithm and size, the share of rows within
-+-25% and +-35% per rank count, and (``--plot``) predicted against measured.
++-25% and +-35% per rank count and mode (out of place, in place), and (``--plot``) predicted
+against measured.
 
     scripts/predict_vs_measured.py --machine scripts/machine-vm.json --sizes 8:64K --plot pvm.png
     scripts/predict_vs_measured.py --measured bench.json --plot pvm.png   # saved bench rows
+    scripts/predict_vs_measured.py --machine scripts/machine-quiet.json \
+        --measured scripts/bench-n2-out.json --measured scripts/bench-n2-in.json
+    scripts/predict_vs_measured.py --calibrate machine.json --ranks 2 --modes out,in \
+        --sizes 8:64M --repeat 3     # calibrate, then the bench, back to back (quiet machine)
+
+``--measured`` takes rows saved by ``--save-measured`` or the ``--json`` file of
+``mpiallreduce.bench`` itself (its header says the ranks, simulated nodes and whether it ran
+in place), and may be given more than once. ``auto`` rows are predicted as what they ran
+(the bench's ``runs`` column). Where the bench repeated its rounds (``--repeat``), a row whose
+rounds spread beyond +-25% of their median is *unsteady*: the machine did not reproduce it, so
+no model can be held to it; the summary gives the shares over all rows and over the steady ones.
+The bench measures every size's rounds within seconds, so a slow spell of the machine moves
+every algorithm of a size together; the second summary compares each algorithm's time
+relative to native measured in the same rounds (the bench's ``vs_native``) with the model's
+ratio, which such a common factor cancels.
 
 Runs with more ranks than this machine has cores (``--cores``, default: the cores this process
 may run on) are not predicted: the model has no core-sharing term
@@ -39,51 +55,151 @@ def label(nranks: int, per_node: int | None) -> str:
     return f"{nranks}" + (f"/{per_node}" if per_node else "")
 
 
-def bench(nranks: int, per_node: int | None, sizes: str, iterations: int) -> list[dict]:
-    """Run the bench under mpirun and return its JSON rows."""
+def _mpirun(nranks: int) -> list[str]:
     mpirun = pathlib.Path(sys.executable).parent / "mpirun"
+    return [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(nranks), sys.executable,
+            "-m", "mpi4py", "-m"]
+
+
+def bench(nranks: int, per_node: int | None, sizes: str, iterations: int | None,
+          in_place: bool = False, repeat: int = 1) -> list[dict]:
+    """Run the bench under mpirun and return its JSON rows."""
     env = {**os.environ, **OPEN_MPI_ENV, "PYTHONPATH": str(ROOT)}
     if per_node:
         env["MPIALLREDUCE_RANKS_PER_NODE"] = str(per_node)
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "bench.json"
-        subprocess.run([str(mpirun if mpirun.exists() else "mpirun"), "-n", str(nranks),
-                        sys.executable, "-m", "mpi4py", "-m", "mpiallreduce.bench", "--quiet",
-                        "--no-validate", "--sizes", sizes, "--iterations", str(iterations),
-                        "--json", str(out)], env=env, check=True, timeout=600)
+        subprocess.run(_mpirun(nranks) + ["mpiallreduce.bench", "--quiet", "--no-validate",
+                                          "--sizes", sizes, "--repeat", str(repeat),
+                                          "--json", str(out)]
+                       + ([] if iterations is None else ["--iterations", str(iterations)])
+                       + (["--in-place"] if in_place else []),
+                       env=env, check=True, timeout=1800)
         return json.loads(out.read_text())["rows"]
 
 
-def compare(measured: dict[str, list[dict]], machine: Machine, cores: int | None) -> list[dict]:
-    """Return one record per measured row: case, size, algorithm, measured and predicted µs.
+def calibrate(path: str) -> Machine:
+    """Run ``model calibrate`` at -n 2 now (right before the bench: this machine's speed moves
+    over minutes, so a calibration is only comparable with a bench run next to it)."""
+    env = {**os.environ, **OPEN_MPI_ENV, "PYTHONPATH": str(ROOT)}
+    subprocess.run(_mpirun(2) + ["mpiallreduce.model", "calibrate", "-o", path], env=env,
+                   check=True, timeout=600, stdout=subprocess.DEVNULL)
+    return Machine.load(path)
 
-    ``measured`` maps a case label ("2", "4", "8/4") to bench rows. All ranks of a case ran on
-    this machine, so a case with more ranks than ``cores`` is refused (``refused`` holds the
-    reason, ``predicted_us`` is None); so is a row the model cannot predict.
+
+#: a repeated row is steady when every round lies within this band of the rows' median
+STEADY = 0.25
+
+
+def load_measured(paths: list[str]) -> dict[tuple[str, str], list[dict]]:
+    """Read saved rows: ``{(case label, mode): rows}``, mode "out" or "in" (in place).
+
+    A file is either ``{"cases": {label: rows}}`` (``--save-measured``, out of place unless it
+    says ``"in_place": true``) or the bench's own ``--json`` output (``meta`` and ``rows``).
+    """
+    measured: dict[tuple[str, str], list[dict]] = {}
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        if "cases" in data:
+            mode = "in" if data.get("in_place") else "out"
+            for case, rows in data["cases"].items():
+                measured.setdefault((case, mode), []).extend(rows)
+            continue
+        if "meta" not in data or "rows" not in data:
+            raise ValueError(f"{path}: neither saved rows ({{'cases': ...}}) nor bench --json "
+                             f"output ('meta' and 'rows')")
+        meta = data["meta"]
+        per_node = meta.get("ranks_per_node")
+        per_node = None if per_node is None or "real" in str(per_node) else int(per_node)
+        if per_node == meta["ranks"]:
+            per_node = None
+        key = (label(int(meta["ranks"]), per_node), "in" if meta.get("in_place") else "out")
+        measured.setdefault(key, []).extend(data["rows"])
+    return measured
+
+
+def steady(row: dict) -> bool | None:
+    """Did the bench's rounds agree within :data:`STEADY` of their median? None: one round."""
+    lo, hi, median = row.get("avg_lo_us"), row.get("avg_hi_us"), row.get("avg_us")
+    if lo is None or hi is None or not row.get("repeats", 1) > 1 or not median:
+        return None
+    return lo >= (1 - STEADY) * median and hi <= (1 + STEADY) * median
+
+
+def compare(measured: dict, machine: Machine, cores: int | None) -> list[dict]:
+    """Return one record per measured row: case, mode, size, algorithm, measured and predicted µs.
+
+    ``measured`` maps a case label ("2", "4", "8/4"), or a (label, mode) pair, to bench rows.
+    All ranks of a case ran on this machine, so a case with more ranks than ``cores`` is
+    refused (``refused`` holds the reason, ``predicted_us`` is None); so is a row the model
+    cannot predict.
     """
     records = []
+    keyed = {(key, "out") if isinstance(key, str) else key: rows for key, rows in measured.items()}
     for nranks, per_node in CASES:
-        rows = measured.get(label(nranks, per_node))
-        if not rows:
-            continue
-        topology = Topology.simulated(nranks, per_node or nranks)
-        refused = None
-        try:
-            check_cores(nranks, replace(machine, cores=cores))
-        except Oversubscribed as error:
-            refused = f"this machine: {error}"
-        for row in rows:
-            record = {"case": label(nranks, per_node), "nranks": nranks, "size": row["size"],
-                      "algorithm": row["algorithm"], "measured_us": row["avg_us"],
-                      "predicted_us": None, "refused": refused}
-            if refused is None:
-                try:
-                    record["predicted_us"] = predict(row["algorithm"], nranks, row["size"],
-                                                     topology, machine).time * 1e6
-                except ValueError as error:
-                    record["refused"] = str(error)
-            records.append(record)
+        for mode in ("out", "in"):
+            rows = keyed.get((label(nranks, per_node), mode))
+            if not rows:
+                continue
+            records += _compare_case(rows, nranks, per_node, mode, machine, cores)
     return records
+
+
+def _compare_case(rows, nranks, per_node, mode, machine, cores) -> list[dict]:
+    topology = Topology.simulated(nranks, per_node or nranks)
+    refused = None
+    try:
+        check_cores(nranks, replace(machine, cores=cores))
+    except Oversubscribed as error:
+        refused = f"this machine: {error}"
+    records = []
+    native = {}
+    for row in rows:
+        algorithm = row["algorithm"]
+        runs = row.get("runs") or algorithm
+        record = {"case": label(nranks, per_node), "mode": mode, "nranks": nranks,
+                  "size": row["size"], "algorithm": algorithm, "measured_us": row["avg_us"],
+                  "steady": steady(row), "predicted_us": None, "refused": refused}
+        if refused is None:
+            try:
+                if runs == "auto":
+                    raise ValueError("auto without the bench's runs column: what it ran is "
+                                     "unknown")
+                record["predicted_us"] = predict(runs, nranks, row["size"], topology, machine,
+                                                 in_place=mode == "in").time * 1e6
+            except ValueError as error:
+                record["refused"] = str(error)
+        ratio = row.get("vs_native")
+        record["measured_vs_native"] = ratio if isinstance(ratio, (int, float)) \
+            and ratio == ratio and ratio > 0 else None
+        if algorithm == "native":
+            native[row["size"]] = record["predicted_us"]
+        records.append(record)
+    for record in records:  # the model's native / algorithm, as the bench's vs_native
+        predicted, reference = record["predicted_us"], native.get(record["size"])
+        record["predicted_vs_native"] = (reference / predicted if predicted and reference
+                                         and record["algorithm"] != "native" else None)
+    return records
+
+
+def relative_summary(records: list[dict]) -> list[str]:
+    """Lines: per case and mode, the rows whose time relative to native in the same rounds
+    (the bench's vs_native) the model's ratio matches within each band."""
+    lines = [f"# relative to native (vs_native, same rounds): {'ranks':>5} {'mode':>4} "
+             f"{'rows':>5} " + " ".join(f"{f'within +-{band:.0%}':>16}" for band in BANDS)]
+    for case, mode in dict.fromkeys((record["case"], record["mode"]) for record in records):
+        mine = [r for r in records if r["case"] == case and r["mode"] == mode
+                and r.get("predicted_vs_native") and r.get("measured_vs_native")]
+        if not mine:
+            continue
+        shares = []
+        for band in BANDS:
+            hits = sum(abs(r["predicted_vs_native"] / r["measured_vs_native"] - 1) <= band
+                       for r in mine)
+            shares.append(f"{f'{hits} ({hits / len(mine):.0%})':>16}")
+        lines.append(f"# relative to native (vs_native, same rounds): {case:>5} {mode:>4} "
+                     f"{len(mine):>5} " + " ".join(shares))
+    return lines
 
 
 def within(record: dict, band: float) -> bool:
@@ -91,19 +207,27 @@ def within(record: dict, band: float) -> bool:
 
 
 def summary(records: list[dict]) -> list[str]:
-    """Lines: per case, rows compared and the share within each band; refused rows and why."""
-    lines = [f"# {'ranks':>5} {'rows':>5} {'compared':>8} "
-             + " ".join(f"{f'within +-{band:.0%}':>16}" for band in BANDS) + "  refused"]
-    for case in dict.fromkeys(record["case"] for record in records):
-        mine = [r for r in records if r["case"] == case]
+    """Lines: per case and mode, rows compared and the share within each band (of all compared
+    rows, and of the steady ones where the bench repeated its rounds); refused rows and why."""
+    lines = [f"# {'ranks':>5} {'mode':>4} {'rows':>5} {'compared':>8} "
+             + " ".join(f"{f'within +-{band:.0%}':>16}" for band in BANDS)
+             + f" {'steady':>6} " + " ".join(f"{f'steady +-{band:.0%}':>16}" for band in BANDS)
+             + "  refused"]
+    for case, mode in dict.fromkeys((record["case"], record["mode"]) for record in records):
+        mine = [r for r in records if r["case"] == case and r["mode"] == mode]
         compared = [r for r in mine if r["predicted_us"] is not None and r["measured_us"] > 0]
+        calm = [r for r in compared if r["steady"]]
         shares = []
-        for band in BANDS:
-            hits = sum(within(r, band) for r in compared)
-            share = f"{hits} ({hits / len(compared):.0%})" if compared else "-"
-            shares.append(f"{share:>16}")
+        for group in (compared, calm):
+            for band in BANDS:
+                hits = sum(within(r, band) for r in group)
+                share = f"{hits} ({hits / len(group):.0%})" if group else "-"
+                shares.append(f"{share:>16}")
+        repeated = any(r["steady"] is not None for r in compared)
         reasons = sorted({r["refused"] for r in mine if r["refused"]})
-        lines.append(f"# {case:>5} {len(mine):>5} {len(compared):>8} " + " ".join(shares)
+        lines.append(f"# {case:>5} {mode:>4} {len(mine):>5} {len(compared):>8} "
+                     + " ".join(shares[:2])
+                     + f" {len(calm) if repeated else '-':>6} " + " ".join(shares[2:])
                      + f"  {len(mine) - len(compared)}"
                      + (f": {'; '.join(reasons)}" if reasons else ""))
     return lines
@@ -120,15 +244,17 @@ def plot(records: list[dict], path: str) -> None:
     compared = [r for r in records if r["predicted_us"] is not None and r["measured_us"] > 0]
     markers = "osD^v<>phx*+"
     algorithms = sorted({r["algorithm"] for r in compared})
-    cases = list(dict.fromkeys(r["case"] for r in compared))
+    cases = list(dict.fromkeys((r["case"], r.get("mode", "out")) for r in compared))
     fig, ax = plt.subplots(figsize=(7, 6))
     for index, name in enumerate(algorithms):
-        for color, case in enumerate(cases):
-            mine = [r for r in compared if r["algorithm"] == name and r["case"] == case]
+        for color, (case, mode) in enumerate(cases):
+            mine = [r for r in compared if r["algorithm"] == name and r["case"] == case
+                    and r.get("mode", "out") == mode]
             if mine:
+                where = "" if mode == "out" else ", in place"
                 ax.scatter([r["measured_us"] for r in mine], [r["predicted_us"] for r in mine],
                            marker=markers[index % len(markers)], color=f"C{color % 10}",
-                           label=f"{name}, {case} ranks", s=22)
+                           label=f"{name}, {case} ranks{where}", s=22)
     if compared:
         values = [v for r in compared for v in (r["measured_us"], r["predicted_us"])]
         low, high = min(values) / 1.5, max(values) * 1.5
@@ -157,37 +283,83 @@ def main(argv=None, out=None) -> int:
     out = sys.stdout if out is None else out
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", help="calibration JSON (default: the built-in machine)")
+    parser.add_argument("--calibrate", metavar="FILE.json",
+                        help="run calibrate at -n 2 into FILE first and predict from it (not "
+                             "with --measured)")
     parser.add_argument("--sizes", default="8:64K")
-    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="timed runs per row (default: the bench's, by size)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="the bench's interleaved rounds (3 gives the steady rows)")
+    parser.add_argument("--ranks", default="2,4,8/4", metavar="LIST",
+                        help="cases to run: ranks, or ranks/ranks per simulated node "
+                             "(default: 2,4,8/4)")
+    parser.add_argument("--modes", default=None, metavar="LIST",
+                        help="out, in or both (out,in) (default: out, or in with --in-place)")
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0))
                         if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                         help="cores of this machine (default: those this process may use)")
-    parser.add_argument("--measured", metavar="FILE.json",
-                        help="bench rows saved by --save-measured: predict only, run nothing")
+    parser.add_argument("--measured", metavar="FILE.json", action="append",
+                        help="bench rows saved by --save-measured, or a bench --json file "
+                             "(repeatable): predict only, run nothing")
+    parser.add_argument("--in-place", action="store_true",
+                        help="run the bench in place (--in-place) instead of out of place")
     parser.add_argument("--save-measured", metavar="FILE.json",
                         help="write the bench rows of this run for a later --measured")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="predicted against measured (needs matplotlib: the plot extra)")
     opts = parser.parse_args(argv)
+    if opts.calibrate and opts.measured:
+        parser.error("--calibrate measures this machine now; --measured re-predicts old rows")
     machine = Machine.load(opts.machine) if opts.machine else DEFAULT_MACHINE
+    if opts.calibrate:
+        machine = calibrate(opts.calibrate)
     if opts.measured:
-        measured = json.loads(pathlib.Path(opts.measured).read_text())["cases"]
+        try:
+            measured = load_measured(opts.measured)
+        except (OSError, ValueError, KeyError) as error:
+            print(f"predict_vs_measured: {error}", file=sys.stderr)
+            return 2
     else:
-        measured = {label(n, k): bench(n, k, opts.sizes, opts.iterations) for n, k in CASES}
+        modes = (opts.modes or ("in" if opts.in_place else "out")).split(",")
+        wanted = {case.strip() for case in opts.ranks.split(",")}
+        cases = [(n, k) for n, k in CASES if label(n, k) in wanted]
+        if not cases or set(modes) - {"out", "in"}:
+            parser.error(f"--ranks takes {', '.join(label(n, k) for n, k in CASES)}; --modes "
+                         f"out and in")
+        measured, saved = {}, {}
+        for mode in modes:
+            for n, k in cases:
+                rows = bench(n, k, opts.sizes, opts.iterations, mode == "in", opts.repeat)
+                measured[(label(n, k), mode)] = rows
+                saved.setdefault(mode, {})[label(n, k)] = rows
         if opts.save_measured:
-            pathlib.Path(opts.save_measured).write_text(json.dumps({"cases": measured}) + "\n")
+            for mode, rows in saved.items():
+                path = pathlib.Path(opts.save_measured)
+                if len(saved) > 1:
+                    path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
+                path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
     records = compare(measured, machine, opts.cores)
-    print(f"{'ranks':>7} {'size(B)':>9} {'algorithm':<20} {'measured(us)':>13} "
-          f"{'predicted(us)':>14} {'pred/meas':>9}", file=out)
+    info = machine.info
+    print(f"# machine: {opts.calibrate or opts.machine or 'built-in'} ("
+          f"{info.get('host', '')} {info.get('date', info.get('source', ''))}, load "
+          f"{info.get('load', '?')}); measured: {', '.join(opts.measured or ['this run'])}",
+          file=out)
+    print(f"{'ranks':>7} {'mode':>4} {'size(B)':>9} {'algorithm':<20} {'measured(us)':>13} "
+          f"{'predicted(us)':>14} {'pred/meas':>9} steady", file=out)
     for r in records:
+        calm = {None: "-", True: "yes", False: "no"}[r["steady"]]
+        head = (f"{r['case']:>7} {r['mode']:>4} {r['size']:>9} {r['algorithm']:<20} "
+                f"{r['measured_us']:>13.2f}")
         if r["predicted_us"] is None:
-            print(f"{r['case']:>7} {r['size']:>9} {r['algorithm']:<20} {r['measured_us']:>13.2f} "
-                  f"{'REFUSED':>14} {'-':>9}", file=out)
+            print(f"{head} {'REFUSED':>14} {'-':>9} {calm}", file=out)
             continue
-        print(f"{r['case']:>7} {r['size']:>9} {r['algorithm']:<20} {r['measured_us']:>13.2f} "
-              f"{r['predicted_us']:>14.2f} {r['predicted_us'] / r['measured_us']:>9.2f}",
-              file=out)
+        print(f"{head} {r['predicted_us']:>14.2f} {r['predicted_us'] / r['measured_us']:>9.2f} "
+              f"{calm}", file=out)
     print("\n".join(summary(records)), file=out)
+    relative = relative_summary(records)
+    if len(relative) > 1:
+        print("\n".join(relative), file=out)
     if opts.plot:
         plot(records, opts.plot)
         print(f"# wrote {opts.plot}", file=out)

@@ -6,9 +6,15 @@
 The model (Hockney's alpha-beta with a reduction term, as in Thakur, Rabenseifner & Gropp 2005,
 plus a per-step interpreter term): a message of b bytes on a link costs α + bβ, with (α, β) of
 the intra-node or the inter-node link depending on whether the two ranks share a node of the
-:class:`~mpiallreduce.topology.Topology`; reducing b received bytes costs bγ (γ per dtype);
-every non-empty step costs ``step`` seconds of Python (posting, waiting, looping: what the
-executor does per step and MPI's C code does not), every run ``call`` seconds.
+:class:`~mpiallreduce.topology.Topology` (or, where ``calibrate`` measured it, the link's
+one-way time curve by message size: protocol switch and caches); reducing b received bytes
+costs bγ (γ per dtype, by combine size where measured); every non-empty step costs ``step``
+seconds of Python, plus ``request`` per message it starts and waits and ``combine`` per
+reducing receive (what the executor does per step and MPI's C code does not), every run
+``call`` seconds. In place (``in_place=True``) the executor's reducing receives go through
+scratch and, between the sizes of ``ops.SCRATCH_COMBINE``, a copy back. Native is Open MPI's
+decision table in C with its copies per mode; ``"shm"`` the shared-memory transport's regimes
+in closed form with a node memory-bandwidth bound.
 
 The simulator walks the same :class:`~mpiallreduce.schedule.Schedule` steps the executor runs,
 with one clock per rank. In step k a rank is ready at ``clock + step``; a message starts when
@@ -64,14 +70,14 @@ from .native import (
     OMPI_COPIES,
     native_algorithm,
 )
-from .prediction import SHARP, candidates, choose, predict
+from .prediction import SHARP, SHM, candidates, choose, native_copies, predict
 from .programs import ROTATION_INVARIANT
 from .simulate import PAIRS_RANKS, Prediction
 
 __all__ = [
     "DEFAULT_MACHINE", "INTER", "INTRA", "LINK_NAMES", "NETWORK_100G", "OMPI_ALLREDUCE_COMMUTATIVE",
     "OMPI_ALLREDUCE_NONCOMMUTATIVE", "OMPI_COPIES", "PAIRS_RANKS", "REPEATS", "ROTATION_INVARIANT",
-    "SHARP", "SHARP_LLT", "SHARP_SAT", "SWITCHES", "Link", "Machine", "Oversubscribed",
+    "SHARP", "SHARP_LLT", "SHARP_SAT", "SHM", "SWITCHES", "Link", "Machine", "Oversubscribed",
     "Prediction", "Switch", "build_parser", "calibrate", "candidates", "check_cores", "choose",
-    "fit_alpha_beta", "main", "native_algorithm", "predict", "predict_table",
+    "fit_alpha_beta", "main", "native_algorithm", "native_copies", "predict", "predict_table",
 ]

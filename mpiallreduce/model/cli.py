@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--switch", choices=sorted(SWITCHES), default=None,
                       help="add in-network reduction (modelled only, parameters printed and "
                            "cited) and the algorithm 'sharp' that uses it")
+    pred.add_argument("--in-place", action="store_true",
+                      help="predict sendbuf = MPI.IN_PLACE (the executor's scratch copies, "
+                           "Open MPI's copies in place)")
     pred.add_argument("--non-commutative", action="store_true",
                       help="predict for a non-commutative op (algorithms that reorder are left out)")
     pred.add_argument("--plot", metavar="FILE.png",
@@ -112,7 +115,7 @@ def _algorithms(text: str, commutative: bool, machine: Machine | None = None) ->
 
 def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
                   names: Sequence[str], machine: Machine, dtype="float32",
-                  commutative: bool = True) -> list[dict]:
+                  commutative: bool = True, in_place: bool = False) -> list[dict]:
     """Return one row per (size, algorithm): time, busbw, winner flag, messages, inter bytes."""
     topology = Topology.simulated(nranks, ranks_per_node or nranks)
     itemsize = np.dtype(dtype).itemsize
@@ -126,7 +129,8 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
             params = ({"ordered": True} if not commutative and (name == "native"
                                                                 or "ordered" in accepted) else {})
             try:
-                found.append(predict(name, nranks, size, topology, machine, dtype, **params))
+                found.append(predict(name, nranks, size, topology, machine, dtype,
+                                     in_place=in_place, **params))
             except ValueError as error:
                 rows.append({"size": size, "algorithm": name, "skipped": str(error)})
         # the winner among the schedules; native (MPI's C code, modelled) is the reference
@@ -198,14 +202,17 @@ def _run_predict(opts, out) -> int:
     names = _algorithms(opts.algorithms, not opts.non_commutative, machine)
     start = time.perf_counter()
     rows = predict_table(opts.ranks, opts.ranks_per_node, sizes, names, machine, dtype,
-                         not opts.non_commutative)
+                         not opts.non_commutative, opts.in_place)
     source = machine.info.get("host") or machine.info.get("source", "")
     print(f"# mpiallreduce.model: {opts.ranks} ranks, {opts.ranks_per_node or opts.ranks} per "
           f"node, {dtype.name}; machine: {opts.machine or 'built-in'} ({source})", file=out)
     print(f"# intra alpha {machine.intra.alpha * 1e6:.2f} us, beta {machine.intra.beta:.3g} s/B; "
           f"inter alpha {machine.inter.alpha * 1e6:.2f} us, beta {machine.inter.beta:.3g} s/B; "
           f"gamma {machine.gamma_for(dtype):.3g} s/B; step {machine.step * 1e6:.2f} us; "
-          f"call {machine.call * 1e6:.2f} us", file=out)
+          f"request {machine.request * 1e6:.2f} us; combine {machine.combine * 1e6:.2f} us; "
+          f"call {machine.call * 1e6:.2f} us"
+          + ("; measured link curves" if machine.intra.curve or machine.inter.curve else ""),
+          file=out)
     print("# busbw = size/time*2(p-1)/p (GB/s); vs_native = native/time; * marks the fastest "
           "schedule of the size", file=out)
     print(f"# native: Open MPI 5.0 coll/tuned's fixed decision table in C ("
@@ -311,9 +318,18 @@ def _run_calibrate(opts, out) -> int:
         for name, value in machine.gamma:
             print(f"gamma {name}: {value:.4g} s/B ({1 / value / 1e9 if value else 0:.2f} GB/s)",
                   file=out)
-        print(f"step: {machine.step * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
+        print(f"step: {machine.step * 1e6:.2f} us, request: {machine.request * 1e6:.2f} us, "
+              f"combine: {machine.combine * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
               f"native_call: {machine.native_call * 1e6:.2f} us, cores: {machine.cores}",
               file=out)
+        curve = measured.curve or ()
+        print("one-way: " + ", ".join(f"{human(b)} {t * 1e6:.3g} us" for b, t in curve
+                                      if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)),
+              file=out)
+        print(f"shm: small {machine.shm_small * 1e6:.2f} us, large {machine.shm_large * 1e6:.2f} "
+              f"us per call, {machine.shm_peer:.3g} s/B from the peers' slots; node "
+              f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
+              f"{machine.info.get('load')}", file=out)
         print(f"wrote {opts.output}", file=out)
     return 0
 

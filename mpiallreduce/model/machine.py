@@ -11,18 +11,72 @@ INTRA, INTER = 0, 1
 LINK_NAMES = ("intra", "inter")
 
 
+def _points(value, what: str, positive_x: bool = True) -> tuple[tuple[int, float], ...] | None:
+    """Check and sort a measured curve ``((bytes, value), ...)``; None stays None."""
+    if value is None:
+        return None
+    try:
+        points = tuple(sorted((int(x), float(y)) for x, y in value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a list of [bytes, value] pairs, got {value!r}") from None
+    if not points or any(x < (1 if positive_x else 0) or not y >= 0 for x, y in points) \
+            or len({x for x, _ in points}) != len(points):
+        raise ValueError(f"{what} needs distinct sizes >= 1 and values >= 0, got {value!r}")
+    return points
+
+
+def _interpolate(points, nbytes, log: bool):
+    """``points`` at ``nbytes`` (scalar or array): linear between points (in log2 of the size
+    when ``log``), the end values outside them; for totals (``log`` False) above the last point
+    the last segment's slope continues (a message twice the largest measured costs twice)."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    b = np.asarray(nbytes, dtype=float)
+    if log:
+        return np.interp(np.log2(np.maximum(b, 1.0)), np.log2(x), y)
+    out = np.interp(b, x, y)
+    if len(x) >= 2:
+        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+        out = np.where(b > x[-1], y[-1] + (b - x[-1]) * slope, out)
+    return out
+
+
 @dataclass(frozen=True)
 class Link:
-    """One link class: ``alpha`` seconds per message, ``beta`` seconds per byte."""
+    """One link class: ``alpha`` seconds per message, ``beta`` seconds per byte.
+
+    ``curve``: measured one-way seconds per message size, ``((bytes, seconds), ...)`` from
+    ``calibrate``'s ping-pong; when given, a message of b bytes costs the curve at b (linear
+    between the measured sizes, the last slope beyond them) instead of ``alpha + b*beta``: it
+    keeps MPI's protocol switch (eager to rendezvous) and the caches, which one line cannot.
+    """
 
     alpha: float
     beta: float
+    curve: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         for name in ("alpha", "beta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"link {name} must be a number >= 0 (seconds), got {value!r}")
+        object.__setattr__(self, "curve", _points(self.curve, "link curve"))
+
+    def cost(self, nbytes):
+        """Seconds of one message of ``nbytes`` (a number or an array of them)."""
+        if self.curve is None:
+            return self.alpha + np.asarray(nbytes, dtype=float) * self.beta
+        return _interpolate(self.curve, nbytes, log=False)
+
+    def to_dict(self) -> dict:
+        data = {"alpha": self.alpha, "beta": self.beta}
+        if self.curve is not None:
+            data["curve"] = [list(point) for point in self.curve]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Link:
+        return cls(float(data["alpha"]), float(data["beta"]), data.get("curve"))
 
 
 @dataclass(frozen=True)
@@ -125,6 +179,27 @@ class Machine:
         native_call: seconds per call of MPI's own ``Allreduce`` from Python beyond its
             messages: mpi4py's call and the collective's entry, which a point-to-point
             ping-pong does not include.
+        request: seconds of Python per request a rank starts and waits in a step (each
+            non-empty send and receive): a step of one message costs ``step + request``, an
+            exchange ``step + 2 request``.
+        combine: seconds of Python per combine call (each reducing receive), beyond its bytes'
+            ``gamma``.
+        gamma_curve: measured seconds per reduced byte of the float32 SUM combine by combine
+            size, ``((bytes, s/B), ...)``, or None (``gamma`` at every size); other dtypes
+            scale it by their ``gamma`` over float32's. Caches: a combine that fits in L2 is
+            several times faster per byte than 64 MiB's.
+        copy_curve: measured seconds per byte of ``copy`` by size (allocate and copy), or None.
+        shm_small, shm_large: seconds per call of the shared-memory transport (``"shm"``)
+            beyond its copies and combines, in its small and large regimes (Python, the
+            counters, waiting for the peers).
+        shm_peer: seconds per byte a rank of the shm transport reads from slots its peers have
+            just written (the lines come from the peer's cache), beyond the combine's γ.
+        node_bandwidth: bytes per second a node's memory moves for all its ranks at once
+            (reads plus writes), or 0 (no limit): the shm transport's copies and combines run
+            on every rank of the node together and cannot go faster than this.
+        node_curve: measured ``node_bandwidth`` by the bytes each rank copies,
+            ``((bytes, B/s), ...)``, or None (``node_bandwidth`` at every size): the node's
+            caches carry small copies of all its ranks at once far faster than its memory.
         switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
             algorithm ``"sharp"`` uses it.
         cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
@@ -142,6 +217,15 @@ class Machine:
     native_call: float = 0.0
     cores: int | None = None
     switch: Switch | None = None
+    request: float = 0.0
+    combine: float = 0.0
+    gamma_curve: tuple[tuple[int, float], ...] | None = None
+    copy_curve: tuple[tuple[int, float], ...] | None = None
+    shm_small: float = 0.0
+    shm_large: float = 0.0
+    shm_peer: float = 0.0
+    node_bandwidth: float = 0.0
+    node_curve: tuple[tuple[int, float], ...] | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -149,6 +233,29 @@ class Machine:
                                        or not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"machine cores must be a positive integer (per node) or None, "
                              f"got {self.cores!r}")
+        for name in ("gamma_curve", "copy_curve", "node_curve"):
+            object.__setattr__(self, name, _points(getattr(self, name), f"machine {name}"))
+
+    def gamma_at(self, dtype, nbytes):
+        """Seconds per reduced byte of ``dtype`` for combines of ``nbytes`` (number or array)."""
+        gamma = self.gamma_for(dtype)
+        if self.gamma_curve is None:
+            return gamma + 0.0 * np.asarray(nbytes, dtype=float)
+        base = dict(self.gamma).get("float32", gamma) or gamma
+        scale = gamma / base if base else 1.0
+        return _interpolate(self.gamma_curve, nbytes, log=True) * scale
+
+    def node_bandwidth_at(self, nbytes) -> float:
+        """Bytes per second of the node's memory when each rank moves ``nbytes`` (0: no limit)."""
+        if self.node_curve is None:
+            return self.node_bandwidth
+        return float(_interpolate(self.node_curve, nbytes, log=True))
+
+    def copy_at(self, nbytes):
+        """Seconds per byte of an allocate-and-copy of ``nbytes`` (number or array)."""
+        if self.copy_curve is None:
+            return self.copy + 0.0 * np.asarray(nbytes, dtype=float)
+        return _interpolate(self.copy_curve, nbytes, log=True)
 
     def link(self, kind: int) -> Link:
         return self.inter if kind == INTER else self.intra
@@ -160,13 +267,20 @@ class Machine:
 
     def native(self) -> Machine:
         """The same machine without interpreter terms: what MPI's own C code pays."""
-        return replace(self, step=0.0, call=0.0)
+        return replace(self, step=0.0, call=0.0, request=0.0, combine=0.0)
 
     def to_dict(self) -> dict:
-        return {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
-                "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
+        def curve(points):
+            return None if points is None else [list(point) for point in points]
+        return {"intra": self.intra.to_dict(), "inter": self.inter.to_dict(),
                 "gamma": dict(self.gamma), "step": self.step, "call": self.call,
-                "copy": self.copy, "native_call": self.native_call, "cores": self.cores,
+                "request": self.request, "combine": self.combine,
+                "gamma_curve": curve(self.gamma_curve), "copy": self.copy,
+                "copy_curve": curve(self.copy_curve), "native_call": self.native_call,
+                "shm_small": self.shm_small, "shm_large": self.shm_large,
+                "shm_peer": self.shm_peer,
+                "node_bandwidth": self.node_bandwidth, "node_curve": curve(self.node_curve),
+                "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
 
     @classmethod
@@ -175,8 +289,8 @@ class Machine:
         if not isinstance(data, dict):
             raise ValueError(f"a machine description is a JSON object, got {type(data).__name__}")
         try:
-            intra = Link(float(data["intra"]["alpha"]), float(data["intra"]["beta"]))
-            inter = Link(float(data["inter"]["alpha"]), float(data["inter"]["beta"]))
+            intra = Link.from_dict(data["intra"])
+            inter = Link.from_dict(data["inter"])
             gamma = tuple(sorted((str(k), float(v)) for k, v in data["gamma"].items()))
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"machine description lacks {error}: it needs intra.alpha, "
@@ -193,6 +307,14 @@ class Machine:
                    call=float(data.get("call", 0.0)), copy=float(data.get("copy", 0.0)),
                    native_call=float(data.get("native_call", 0.0)),
                    cores=None if cores is None else int(cores), switch=switch,
+                   request=float(data.get("request", 0.0)),
+                   combine=float(data.get("combine", 0.0)),
+                   gamma_curve=data.get("gamma_curve"), copy_curve=data.get("copy_curve"),
+                   shm_small=float(data.get("shm_small", 0.0)),
+                   shm_large=float(data.get("shm_large", 0.0)),
+                   shm_peer=float(data.get("shm_peer", 0.0)),
+                   node_bandwidth=float(data.get("node_bandwidth", 0.0)),
+                   node_curve=data.get("node_curve"),
                    info=dict(data.get("info", {})))
 
     @classmethod

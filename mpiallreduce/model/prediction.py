@@ -11,7 +11,14 @@ from ..topology import Topology
 from .machine import DEFAULT_MACHINE, INTRA, Machine, check_cores
 from .native import OMPI_COPIES, _ompi_choice, native_algorithm
 from .programs import ROTATION_INVARIANT, _base_parts, _quotient, _ring_base, _table
-from .simulate import Prediction, _counts, _run, _simulate_ring_sparse, _simulate_table
+from .simulate import (
+    Prediction,
+    _Costs,
+    _counts,
+    _run,
+    _simulate_ring_sparse,
+    _simulate_table,
+)
 
 
 def _resolve(nranks: int, topology: Topology | None) -> Topology:
@@ -27,19 +34,23 @@ def _resolve(nranks: int, topology: Topology | None) -> Topology:
 
 def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = None,
             machine: Machine | None = None, dtype="float32", symmetric: bool = True,
-            **params) -> Prediction:
+            in_place: bool = False, **params) -> Prediction:
     """Predict allreduce ``name`` on ``nranks`` ranks of ``nbytes`` bytes each.
 
     Args:
         name: a registered algorithm, ``"native"`` (:func:`native_algorithm` on
             :meth:`Machine.native`, plus Open MPI's per-call copies and ``native_call``; no
-            knowledge of nodes; ``ordered=True`` for a non-commutative op), or ``"sharp"``
-            (the modelled in-network reduction, which needs ``machine.switch``).
+            knowledge of nodes; ``ordered=True`` for a non-commutative op), ``"shm"`` (the
+            node-local shared-memory transport, one node only), or ``"sharp"`` (the modelled
+            in-network reduction, which needs ``machine.switch``).
         topology: which rank is on which node (default: all on one node).
         machine: model parameters (default: :data:`DEFAULT_MACHINE`).
         dtype: element type; ``nbytes`` is rounded down to whole elements.
         symmetric: simulate one representative per class of ranks (see the module doc);
             ``False`` builds and simulates every rank.
+        in_place: ``sendbuf`` is ``MPI.IN_PLACE``: the executor's reducing receives land in
+            scratch (and are copied back between the sizes of ``SCRATCH_COMBINE``), Open MPI
+            skips the copies of sendbuf into recvbuf.
         params: builder parameters (``inner=``, ``segment_bytes=``).
 
     Raises :class:`Oversubscribed` (a ValueError) when a node holds more ranks than
@@ -57,27 +68,29 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
     itemsize = np.dtype(dtype).itemsize
     if name == "native":
         return _predict_native(nranks, nbytes, topology, machine, dtype, symmetric,
-                               bool(params.get("ordered")))
+                               bool(params.get("ordered")), in_place)
     if name == "sharp":
         return _predict_sharp(nranks, nbytes, topology, machine, dtype)
+    if name == SHM:
+        return _predict_shm(nranks, nbytes, topology, machine, dtype, in_place)
     count = int(nbytes) // itemsize
     key = tuple(sorted(params.items()))
     parts = _base_parts(name, nranks, count) if symmetric and nranks > 1 and count else None
+    costs = _Costs(machine, np.dtype(dtype).name, bool(in_place), count * itemsize)
     if parts is not None:
-        gamma = machine.gamma_for(dtype)
         if name in ROTATION_INVARIANT:
             base = _ring_base(name, nranks, itemsize, key)
             finish, totals, steps = _simulate_ring_sparse(base, nranks, count, topology,
-                                                          itemsize, machine, gamma)
+                                                          itemsize, costs)
             label = "every rank (rotated, busy ranks only)"
         else:
             table = _table(name, nranks, topology, itemsize, key, parts)
-            finish, totals, steps = _simulate_table(table, count, itemsize, machine, gamma)
+            finish, totals, steps = _simulate_table(table, count, itemsize, costs)
             label = "every rank (slot spans)"
         return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
                           finish.copy(), *totals, steps, label)
     quotient = _quotient(name, nranks, count, topology, itemsize, key, symmetric)
-    clocks = _run(quotient, machine, machine.gamma_for(dtype))
+    clocks = _run(quotient, costs)
     class_of = np.asarray(quotient.class_of)
     sent_bytes, sent_messages, link_bytes, link_messages, pairs, steps = _counts(quotient)
     finish = clocks[class_of] if len(clocks) else np.zeros(nranks)
@@ -87,23 +100,102 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
                       steps, quotient.partition)
 
 
-def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered=False
-                    ) -> Prediction:
-    """Open MPI's fixed decision in C: no interpreter terms, its copies, mpi4py's call."""
+def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered=False,
+                    in_place=False) -> Prediction:
+    """Open MPI's fixed decision in C: no interpreter terms, its copies, mpi4py's call.
+
+    Copies of the whole message per call (:func:`native_copies`, from Open MPI 5.0's
+    ``coll_base_allreduce.c``) at the calibrated allocate-and-copy rate for that size.
+    """
     itemsize = np.dtype(dtype).itemsize
     stand_in = native_algorithm(nranks, int(nbytes), itemsize, not ordered)
     result = predict(stand_in, nranks, nbytes, topology, machine.native(), dtype, symmetric)
     result.name = "native"
     if nranks > 1:
-        choice = _ompi_choice(nranks, int(nbytes), not ordered)
-        if choice in OMPI_COPIES and stand_in != "tree":
-            result.time += machine.copy * (int(nbytes) // itemsize * itemsize)
-        result.time += machine.native_call
+        size = int(nbytes) // itemsize * itemsize
+        copies = native_copies(nranks, int(nbytes), itemsize, not ordered, in_place)
+        result.time += copies * size * float(machine.copy_at(size)) + machine.native_call
     return result
+
+
+def native_copies(nranks: int, nbytes: int, itemsize: int = 4, commutative: bool = True,
+                  in_place: bool = False) -> int:
+    """Whole-message copies the slowest rank of Open MPI 5.0's allreduce makes per call.
+
+    Recursive doubling copies its input (sendbuf, or recvbuf in place) into a temporary it
+    allocates, and the rank whose result ends in that temporary copies it back: two, in
+    place too. The ring and Rabenseifner copy sendbuf into recvbuf out of place only (one, or
+    none in place); basic_linear and nonoverlapping (stood in for by ``tree``) are not counted.
+    """
+    stand_in = native_algorithm(nranks, nbytes, itemsize, commutative)
+    choice = _ompi_choice(nranks, nbytes, commutative)
+    if choice not in OMPI_COPIES or stand_in == "tree":
+        return 0
+    if stand_in == "recursive_doubling":
+        return 2
+    return 0 if in_place else 1
 
 
 #: the modelled in-network algorithm: no executor runs it (no machine here has such a switch).
 SHARP = "sharp"
+#: the node-local shared-memory transport (:mod:`mpiallreduce.shm`): not a schedule of messages.
+SHM = "shm"
+
+
+def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Prediction:
+    """The shared-memory transport on one node (:mod:`mpiallreduce.shm`), by its regimes.
+
+    Small (up to ``SMALL_BYTES`` per rank): copy the input into the rank's slot, publish, wait
+    for every peer, then every rank combines all p slots into its result ((p-1) combines of
+    the whole message). Large: copy in, publish and wait, combine this rank's block (1/p)
+    across the p slots, copy it into the slot, publish and wait, copy the p-1 other blocks
+    out. Each phase runs on every rank of the node at once, so its bytes (reads and writes of
+    all p ranks) cannot move faster than the node's bandwidth at that size (``node_curve``, else
+    ``node_bandwidth``). ``shm_small``/``shm_large`` are
+    the calibrated seconds per call beyond the copies and combines (Python, counters, waits),
+    ``shm_peer`` the seconds per byte read from the peers' freshly written slots.
+    """
+    from ..shm import SMALL_BYTES
+
+    if topology.nnodes > 1:
+        raise ValueError("shm runs on one node only: predict it with all ranks on one node")
+    itemsize = np.dtype(dtype).itemsize
+    size = int(nbytes) // itemsize * itemsize
+    p = nranks
+    name = np.dtype(dtype).name
+
+    def phase(per_rank_seconds: float, traffic_per_rank: float) -> float:
+        # the node's rate where each rank moves this phase's bytes (its caches for small ones)
+        bandwidth = machine.node_bandwidth_at(traffic_per_rank / 2) if p > 1 else 0.0
+        if bandwidth > 0:
+            return max(per_rank_seconds, p * traffic_per_rank / bandwidth)
+        return per_rank_seconds
+
+    def copy(nbytes_):
+        return nbytes_ * float(machine.copy_at(nbytes_)) if nbytes_ else 0.0
+
+    def combine(nbytes_):
+        return nbytes_ * float(machine.gamma_at(name, nbytes_)) + machine.combine
+
+    if p == 1 or size == 0:
+        time_ = copy(size) if not in_place else 0.0
+        steps = 0
+    elif size <= SMALL_BYTES:
+        time_ = (machine.shm_small + phase(copy(size), 2 * size)
+                 + phase((p - 1) * (combine(size) + size * machine.shm_peer),
+                         (2 * p - 1) * size))
+        steps = 1
+    else:
+        part = -(-size // p)
+        peer = (p - 1) * part * machine.shm_peer
+        time_ = (machine.shm_large + phase(copy(size), 2 * size)
+                 + phase((p - 1) * combine(part) + peer + copy(part), (p + 3) * part)
+                 + phase((p - 1) * (copy(part) + machine.combine) + peer,
+                         2 * (p - 1) * part))
+        steps = 2
+    zeros = np.zeros(nranks, dtype=np.int64)
+    return Prediction(SHM, nranks, size, time_, np.full(nranks, time_), zeros, zeros.copy(),
+                      (0, 0), (0, 0), None, steps, "closed form (shared memory)")
 
 
 def _predict_sharp(nranks, nbytes, topology, machine, dtype) -> Prediction:

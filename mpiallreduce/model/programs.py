@@ -31,11 +31,13 @@ class _CostStep:
     recv_bytes: tuple[int, int]
     reduced: int                                 # bytes combined into the buffer
     recvs: tuple[tuple[int, int, int], ...]      # (peer, bytes, link): for the quotient check
+    combines: int = 0                            # reducing receives (one combine call each)
+    requests: int = 0                            # non-empty sends and receives
 
 
-def _cost_step(sends, recvs, reduced: int, intern: dict) -> _CostStep:
+def _cost_step(sends, recvs, reduced: int, intern: dict, combines: int = 0) -> _CostStep:
     """Return the (interned) cost step of ``(peer, bytes, link)`` sends and receives."""
-    key = (sends, recvs, reduced)
+    key = (sends, recvs, reduced, combines)
     found = intern.get(key)
     if found is None:
         count, volume, rcount, rvolume = [0, 0], [0, 0], [0, 0], [0, 0]
@@ -49,7 +51,7 @@ def _cost_step(sends, recvs, reduced: int, intern: dict) -> _CostStep:
                 rvolume[link] += nbytes
         found = intern[key] = _CostStep(tuple(s for s in sends if s[1]), tuple(count),
                                         tuple(volume), tuple(rcount), tuple(rvolume), reduced,
-                                        recvs)
+                                        recvs, combines, sum(count) + sum(rcount))
     return found
 
 
@@ -71,7 +73,8 @@ def _compile(steps, rank: int, node: Sequence[int], itemsize: int, intern: dict
         recvs = tuple([(r.peer, (r.stop - r.start) * itemsize, INTER if node[r.peer] != mine
                         else INTRA) for r in step.recvs])
         reduced = sum([r.stop - r.start for r in step.recvs if r.action == REDUCE]) * itemsize
-        program.append(_cost_step(sends, recvs, reduced, intern))
+        combines = sum([1 for r in step.recvs if r.action == REDUCE and r.stop > r.start])
+        program.append(_cost_step(sends, recvs, reduced, intern, combines))
     return program
 
 
@@ -91,7 +94,7 @@ def _rotate(program, rank: int, nranks: int, node: Sequence[int], intern: dict, 
                              for peer, nbytes in (((rank + p) % nranks, b)
                                                   for p, b, _ in messages))
             found = memo[key] = _cost_step(moved(cost.sends), moved(cost.recvs), cost.reduced,
-                                           intern)
+                                           intern, cost.combines)
         rotated.append(found)
     return rotated
 

@@ -8,19 +8,62 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import ScheduleError
+from ..ops import SCRATCH_COMBINE
 from ..topology import Topology
 from .machine import INTER, INTRA, Machine
 from .programs import _Quotient, _span_sizes, _Table
 
 
-def _exchange(ready: np.ndarray, sender, receiver, link, nbytes, links) -> np.ndarray:
+@dataclass(frozen=True)
+class _Costs:
+    """What one prediction charges, from a machine: message costs, the interpreter's terms per
+    step, request and combine, and the bytes' combine (γ at the combine's size) and copies.
+
+    ``in_place``: the executor's reducing receives into a result the plan sends from land in
+    scratch and, between the sizes of :data:`SCRATCH_COMBINE`, are copied back (out of place
+    the first reduction of a range lands in the result itself: no copy).
+    """
+
+    machine: Machine
+    dtype: str
+    in_place: bool = False
+    result_bytes: int = 0
+
+    @property
+    def links(self):
+        return (self.machine.intra, self.machine.inter)
+
+    def message(self, nbytes, link):
+        """Seconds of messages of ``nbytes`` on ``link`` (arrays of equal shape, or scalars)."""
+        intra, inter = self.links
+        if intra == inter:
+            return intra.cost(nbytes)
+        return np.where(np.asarray(link) == INTER, inter.cost(nbytes), intra.cost(nbytes))
+
+    def cpu(self, requests):
+        """Seconds of Python before a step's messages: the step and its requests."""
+        return self.machine.step + self.machine.request * np.asarray(requests, dtype=float)
+
+    def reduce(self, reduced, combines):
+        """Seconds after a step's messages: its combines (calls and bytes), copies back."""
+        reduced = np.asarray(reduced, dtype=float)
+        combines = np.asarray(combines, dtype=float)
+        piece = np.where(combines > 0, reduced / np.maximum(combines, 1), 0.0)
+        machine = self.machine
+        seconds = reduced * machine.gamma_at(self.dtype, piece) + combines * machine.combine
+        if self.in_place and self.result_bytes <= SCRATCH_COMBINE[1]:
+            copied = np.where(piece >= SCRATCH_COMBINE[0], 1.0, 0.0)
+            seconds = seconds + copied * (reduced * machine.copy_at(piece)
+                                          + combines * machine.combine)
+        return seconds
+
+
+def _exchange(ready: np.ndarray, sender, receiver, link, nbytes, costs: _Costs) -> np.ndarray:
     """End time of every rank after one step's messages (the rules of :func:`_run`)."""
     end = ready.copy()
     if len(sender) == 0:
         return end
-    alpha = np.array([links[0].alpha, links[1].alpha])
-    beta = np.array([links[0].beta, links[1].beta])
-    cost = alpha[link] + nbytes * beta[link]
+    cost = costs.message(nbytes, link)
     size = 2 * len(ready)
     send_port, recv_port = sender * 2 + link, receiver * 2 + link
     send_load = np.bincount(send_port, weights=cost, minlength=size)
@@ -53,34 +96,35 @@ def _totals(nranks: int, sender, receiver, link, nbytes):
     return sent_bytes, sent_messages, link_bytes, link_messages, pairs
 
 
-def _simulate_table(table: _Table, count: int, itemsize: int, machine: Machine, gamma: float
+def _simulate_table(table: _Table, count: int, itemsize: int, costs: _Costs
                     ) -> tuple[np.ndarray, tuple, int]:
     """Every rank's clock through the table at ``count``: exact, O(messages) NumPy work."""
     nranks = table.active.shape[1]
-    links = (machine.intra, machine.inter)
     clock = np.zeros(nranks)
     messages = []
     for k in range(table.active.shape[0]):
         active = table.active[k]
-        ready = clock + machine.step * active
         sender, receiver, link, lo, hi = table.sends[k]
         nbytes = _span_sizes(count, table.parts, lo, hi) * itemsize
         sent = nbytes > 0
         sender, receiver, link, nbytes = sender[sent], receiver[sent], link[sent], nbytes[sent]
-        end = _exchange(ready, sender, receiver, link, nbytes, links)
+        requests = (np.bincount(sender, minlength=nranks)
+                    + np.bincount(receiver, minlength=nranks))
+        ready = clock + costs.cpu(requests) * active
+        end = _exchange(ready, sender, receiver, link, nbytes, costs)
         messages.append((sender, receiver, link, nbytes))
         rank, rlo, rhi = table.reduces[k]
-        reduced = np.bincount(rank, weights=_span_sizes(count, table.parts, rlo, rhi) * itemsize,
-                              minlength=nranks)
-        clock = np.where(active, end + reduced * gamma, clock)
+        spans = _span_sizes(count, table.parts, rlo, rhi) * itemsize
+        reduced = np.bincount(rank, weights=spans, minlength=nranks)
+        combines = np.bincount(rank, weights=spans > 0, minlength=nranks)
+        clock = np.where(active, end + costs.reduce(reduced, combines), clock)
     steps = int(table.active.sum(axis=0).max()) if table.active.size else 0
     return clock, _totals(nranks, *map(np.concatenate, zip(*messages))), steps
 
 
 @lru_cache(maxsize=64)
 def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topology,
-                          itemsize: int, machine: Machine, gamma: float
-                          ) -> tuple[np.ndarray, tuple, int]:
+                          itemsize: int, costs: _Costs) -> tuple[np.ndarray, tuple, int]:
     """Every rank of a ring with fewer elements than ranks, touching only non-empty messages.
 
     Rank r's step is rank 0's rotated by r, so the ranks sending a non-empty block in step s
@@ -92,17 +136,20 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
     with one piece per block reuses the ring's run.
     """
     node = np.asarray(topology.node)
-    links = (machine.intra, machine.inter)
-    alpha = np.array([links[0].alpha, links[1].alpha])
-    cost = alpha + itemsize * np.array([links[0].beta, links[1].beta])
+    cost = np.array([costs.message(itemsize, INTRA), costs.message(itemsize, INTER)],
+                    dtype=float).reshape(2)
+    request = costs.machine.request
     relative = np.zeros(nranks)
     blocks = np.arange(count)
     senders, receivers = [], []
-    reduce_cost = itemsize * gamma
+    reduce_cost = float(costs.reduce(itemsize, 1))
     for offset, slot, reduces in base:
         sender = (blocks - slot) % nranks
         receiver = (sender + offset) % nranks
         link = (node[sender] != node[receiver]).astype(np.int64)
+        if request:  # a busy rank starts and waits its send and its receive
+            np.add.at(relative, sender, request)
+            np.add.at(relative, receiver, request)
         finish = np.maximum(relative[sender], relative[receiver]) + cost[link]
         np.maximum.at(relative, sender, finish)
         np.maximum.at(relative, receiver, finish)
@@ -113,7 +160,7 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
     sender, receiver = np.concatenate(senders), np.concatenate(receivers)
     link = (node[sender] != node[receiver]).astype(np.int64)
     totals = _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64))
-    return relative + len(base) * machine.step, totals, len(base)
+    return relative + len(base) * costs.machine.step, totals, len(base)
 
 # -- the simulator ---------------------------------------------------------------------------------
 
@@ -153,7 +200,7 @@ class Prediction:
         return self.nbytes / self.time * 2 * (self.nranks - 1) / self.nranks
 
 
-def _run(quotient: _Quotient, machine: Machine, gamma: float) -> np.ndarray:
+def _run(quotient: _Quotient, costs: _Costs) -> np.ndarray:
     """Simulate the class clocks; return the finish time of every class.
 
     A step that repeats the previous one (the same interned cost step in every class) after a
@@ -163,29 +210,31 @@ def _run(quotient: _Quotient, machine: Machine, gamma: float) -> np.ndarray:
     """
     nclasses = len(quotient.reps)
     class_of = quotient.class_of
-    links = (machine.intra, machine.inter)
+    links = costs.links
+    curved = any(link.curve is not None for link in links)
+    loads: dict = {}  # id(cost step) -> (cpu before, send load, recv load, after), per run
     clock = [0.0] * nclasses
     programs = quotient.programs
     length = max((len(p) for p in programs), default=0)
     previous, delta, steady = None, 0.0, False
     for k in range(length):
-        costs = tuple(program[k] if k < len(program) else None for program in programs)
-        if steady and costs == previous:
+        step_costs = tuple(program[k] if k < len(program) else None for program in programs)
+        if steady and step_costs == previous:
             clock = [t + delta for t in clock]
             continue
         before = clock[:]
         active = []
         ready = {}
-        send_load, recv_load = {}, {}
-        for c, cost in enumerate(costs):
+        send_load, recv_load, after = {}, {}, {}
+        for c, cost in enumerate(step_costs):
             if cost is None:
                 continue
             active.append((c, cost))
-            ready[c] = clock[c] + machine.step
-            send_load[c] = tuple(cost.send_count[i] * links[i].alpha
-                                 + cost.send_bytes[i] * links[i].beta for i in (0, 1))
-            recv_load[c] = tuple(cost.recv_count[i] * links[i].alpha
-                                 + cost.recv_bytes[i] * links[i].beta for i in (0, 1))
+            found = loads.get(id(cost))
+            if found is None or found[0] is not cost:
+                found = loads[id(cost)] = (cost, *_loads(cost, links, curved, costs))
+            _, before_, send_load[c], recv_load[c], after[c] = found
+            ready[c] = clock[c] + before_
         end = dict(ready)
         for c, cost in active:
             for peer, _, link in cost.sends:
@@ -198,13 +247,34 @@ def _run(quotient: _Quotient, machine: Machine, gamma: float) -> np.ndarray:
                     end[c] = finish
                 if finish > end[d]:
                     end[d] = finish
-        for c, cost in active:
-            clock[c] = end[c] + cost.reduced * gamma
+        for c, _ in active:
+            clock[c] = end[c] + after[c]
         increments = {clock[c] - before[c] for c in range(nclasses)}
-        steady = costs == previous and len(active) == nclasses and len(increments) == 1
+        steady = step_costs == previous and len(active) == nclasses and len(increments) == 1
         delta = increments.pop() if steady else 0.0
-        previous = costs
+        previous = step_costs
     return np.asarray(clock, dtype=float)
+
+
+def _loads(cost, links, curved: bool, costs: _Costs) -> tuple:
+    """(Python before the messages, send load, receive load per link, seconds after) of a
+    cost step."""
+    if curved:
+        send = [0.0, 0.0]
+        for _, nbytes, link in cost.sends:
+            send[link] += float(links[link].cost(nbytes))
+        recv = [0.0, 0.0]
+        for _, nbytes, link in cost.recvs:
+            if nbytes:
+                recv[link] += float(links[link].cost(nbytes))
+        send_load, recv_load = tuple(send), tuple(recv)
+    else:
+        send_load = tuple(cost.send_count[i] * links[i].alpha
+                          + cost.send_bytes[i] * links[i].beta for i in (0, 1))
+        recv_load = tuple(cost.recv_count[i] * links[i].alpha
+                          + cost.recv_bytes[i] * links[i].beta for i in (0, 1))
+    return (float(costs.cpu(cost.requests)), send_load, recv_load,
+            float(costs.reduce(cost.reduced, cost.combines)))
 
 
 def _counts(quotient: _Quotient):

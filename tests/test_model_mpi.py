@@ -1,0 +1,39 @@
+"""``model.calibrate`` under mpirun: every field it measures comes back on every rank, and the
+machine round-trips through its file (a quick calibration: few sizes, small buffers)."""
+
+from __future__ import annotations
+
+import pytest
+from mpi4py import MPI
+
+from mpiallreduce.model import Machine, calibrate, predict
+
+pytestmark = pytest.mark.mpi
+
+
+def test_calibrate_measures_every_term_on_every_rank():
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:
+        with pytest.raises(ValueError, match="at least 2 ranks"):
+            calibrate(comm)
+        return
+    if comm.Get_size() > 2:
+        pytest.skip("calibrate measures ranks 0 and 1; the others only wait (run at -n 2)")
+    sizes = (1, 64, 4096, 1 << 16)
+    machine = calibrate(comm, sizes=sizes, rate_sizes=(4096, 1 << 16), bandwidth_bytes=1 << 20)
+    link = machine.intra
+    assert [b for b, _ in link.curve] == list(sizes)
+    assert all(t > 0 for _, t in link.curve) and link.alpha >= 0 and link.beta >= 0
+    assert [b for b, _ in machine.gamma_curve] == [4096, 1 << 16] == [
+        b for b, _ in machine.copy_curve]
+    assert min(machine.request, machine.combine, machine.step, machine.call,
+               machine.native_call, machine.shm_small, machine.shm_large, machine.shm_peer) >= 0
+    assert machine.node_bandwidth > 0 and machine.cores >= 1
+    assert [b for b, _ in machine.node_curve] == [4096, 1 << 16, 1 << 20]
+    assert set(machine.info["shm_run_s"]) == {"8", "16384", "65536"}
+    assert set(machine.info["plan_run_s"]) >= {"chain per step", "exchange per step",
+                                               "reducing exchange per step"}
+    # one machine on every rank (rank 0's measurements, broadcast)
+    assert comm.allgather(machine.to_dict()) == [machine.to_dict()] * comm.Get_size()
+    assert Machine.from_dict(machine.to_dict()) == machine
+    assert predict("ring", 2, 1 << 20, machine=machine).time > 0
