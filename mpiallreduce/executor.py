@@ -470,8 +470,15 @@ class Plan(_PlanBase):
         return lean[3], lean[2]
 
     def _post_into(self, requests: list, bound: _BoundStep) -> None:
-        """Post a step afresh (a plan without persistent requests), into ``requests``."""
-        requests[:] = self._post(bound)
+        """Post a step afresh (a plan without persistent requests) into ``requests``, as
+        :meth:`_post` (written out: no list built per step)."""
+        tag = self._tag_base + bound.index % STEP_TAGS
+        comm, append = self.comm, requests.append
+        requests.clear()
+        for peer, view in bound.recvs:
+            append(comm.Irecv(view, peer, tag))
+        for peer, view in bound.sends:
+            append(comm.Isend(view, peer, tag))
 
     def steps(self, posted: list | None = None):
         """Run once, step by step: yield each step's ``(requests, bound step)`` once posted.
