@@ -17,14 +17,17 @@ What runs where:
   never waits for a later one, so waits in any order complete). With ``MPI_THREAD_MULTIPLE``
   (mpi4py's default) one progress thread per communicator also advances them while the caller
   is elsewhere (computing, or blocked in another collective that a peer reaches only after
-  waiting): it first looks :data:`GRACE_SECONDS` after a run starts, then polls at a
-  backing-off pace (50 µs up to :data:`PAUSE_MAX`) while runs are in flight, never blocks in
-  MPI and never spins against the caller's computation; it exits after :data:`IDLE_SECONDS`
-  without runs. Whichever thread completes a step runs its combines; the engine's lock keeps
-  them apart (the thread only tries it, so it never makes the caller wait). A started plan
-  without deadline posts its first step from its flat program (:meth:`Plan.start_lean`); a
-  wait with nothing else in flight runs the rest of that program, anything else first turns
-  it into a stepwise run.
+  waiting): it looks every :data:`GRACE_SECONDS` and advances the runs only once the oldest
+  has been in flight since its previous look (a caller that starts and waits in a loop never
+  meets it), then polls at a backing-off pace (50 µs up to :data:`PAUSE_MAX`) while runs are
+  in flight, never blocks in MPI and never spins against the caller's computation; it exits
+  after :data:`IDLE_SECONDS` without runs. Whichever thread completes a step runs its
+  combines; the engine's lock keeps them apart (the thread only tries it, so it never makes
+  the caller wait). A started plan without deadline, and a repeated ``iallreduce`` of a
+  schedule, post their first step from a flat program (:meth:`Plan.start_lean`; the
+  ``iallreduce``'s posts fresh messages with the tags of the slot it takes); a wait with
+  nothing else in flight runs the rest of that program, anything else first turns it into a
+  stepwise run.
 - **A repeated call** (``iallreduce`` with the same objects) finds its set-up in the
   communicator's call cache (:class:`_Started`).
 - **A plan without steps of its own** (``reproducible=True``, the shared-memory transport) runs
@@ -76,8 +79,8 @@ _WORLD = MPI.COMM_WORLD
 
 #: longest pause (seconds) of the progress thread between polls while runs are in flight.
 PAUSE_MAX = 1e-3
-#: seconds the progress thread lets pass before it first looks at a new run: a caller that
-#: waits at once completes it itself, without meeting the thread.
+#: seconds between the progress thread's looks at new runs: it advances them only once the
+#: oldest was in flight at its previous look (a caller that waits at once completes its own).
 GRACE_SECONDS = 1e-3
 #: seconds a progress thread waits for work before it exits (the next request starts another).
 IDLE_SECONDS = 1.0
@@ -406,11 +409,11 @@ class _Engine:
 
     ``lock`` guards the runs: whoever holds it advances them. The caller's thread takes it
     in ``start``/``test``/``wait``; the progress thread only ever tries (``blocking=False``), so
-    it never makes the caller wait and never blocks in MPI. The thread looks first
-    :data:`GRACE_SECONDS` after it is needed (a run the caller waits for at once never meets
-    it), then at a pace backing off from 50 µs to :data:`PAUSE_MAX` while runs are in flight, and
-    exits after :data:`IDLE_SECONDS` without any (the next submit starts another): no
-    notification on the hot path.
+    it never makes the caller wait and never blocks in MPI. The thread advances runs only once
+    the oldest was in flight at its previous look, :data:`GRACE_SECONDS` earlier (a run the
+    caller waits for at once never meets it), then at a pace backing off from 50 µs to
+    :data:`PAUSE_MAX` while runs are in flight, and exits after :data:`IDLE_SECONDS` without any
+    (the next submit starts another): no notification on the hot path.
     """
 
     def __init__(self):
