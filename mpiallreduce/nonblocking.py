@@ -102,7 +102,7 @@ class Request:
 
     def __init__(self, result, work=None, finish=None):
         self._result = result
-        self._work = work  # None once complete: see _NativeWork and _Run
+        self._work = work  # None once complete: see _NativeWork and _Run (join/poll/complete)
         self._finish = finish  # run once in the caller's thread on completion (AVG, plan landing)
         self._error: BaseException | None = None
         if work is None and finish is not None:
@@ -133,7 +133,7 @@ class Request:
             if timeout is None:  # blocks until complete (or the run's own deadline raises)
                 # (written out: each call saved here shows in a start().wait() at 8 bytes)
                 try:
-                    work.wait()
+                    work.join()
                 except Exception as exc:  # noqa: BLE001 - the request failed: kept for every wait()
                     self._error = exc
                 self._work = None
@@ -153,7 +153,7 @@ class Request:
 
     def _progress(self, until, block: bool) -> bool:
         try:
-            if not (self._work.complete(until) if block else self._work.test()):
+            if not (self._work.complete(until) if block else self._work.poll()):
                 return False
         except Exception as exc:  # noqa: BLE001 - the request failed: kept for every wait()
             self._error = exc
@@ -201,19 +201,19 @@ class _NativeWork:
     requests)`` marks the communicator unusable and raises.
     """
 
-    __slots__ = ("requests", "deadline", "timeout", "fail", "where", "keep", "wait")
+    __slots__ = ("requests", "deadline", "timeout", "fail", "where", "keep", "join")
 
     def __init__(self, requests: list, deadline: float | None, timeout, fail, where, keep):
         self.requests, self.deadline, self.timeout, self.fail = requests, deadline, timeout, fail
         self.where = where  # names the call in a timeout message (a callable: built on failure)
         self.keep = keep  # the buffers MPI reads and writes until the requests complete
-        # wait(): complete, or raise at the deadline
+        # join(): complete, or raise at the deadline
         if deadline is not None:
-            self.wait = self._wait_for_deadline
+            self.join = self._wait_for_deadline
         elif len(requests) == 1:
-            self.wait = requests[0].Wait
+            self.join = requests[0].Wait
         else:
-            self.wait = partial(MPI.Request.Waitall, requests)
+            self.join = partial(MPI.Request.Waitall, requests)
 
     def _wait_for_deadline(self) -> None:
         self.complete(None)
@@ -240,7 +240,7 @@ class _NativeWork:
         if active:
             _DROPPED.append(self)
 
-    def test(self) -> bool:
+    def poll(self) -> bool:
         if MPI.Request.Testall(self.requests):
             return True
         self._check_deadline()
@@ -271,8 +271,9 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 # -- schedules: runs progressed step by step -------------------------------------------------------
 
-class _Run:
-    """A schedule plan's run in flight: its step generator and the requests it waits on.
+class _Run(Request):
+    """A schedule plan's run in flight: its step generator and the requests it waits on; and
+    the :class:`Request` the caller holds (its own work until complete: one object per start).
 
     In its engine's ``runs`` from submission until it ends (or is abandoned at its deadline).
     """
@@ -281,7 +282,9 @@ class _Run:
                  "finished", "error", "rest")
 
     def __init__(self, engine: _Engine, plan, timeout: float | None, owned: bool,
-                 posted: tuple | None = None):
+                 posted: tuple | None = None, finish=None):
+        # the request (as Request.__init__): the result, itself as its work, what completion runs
+        self._result, self._work, self._finish, self._error = plan.recvbuf, self, finish, None
         self.engine, self.plan, self.owned = engine, plan, owned
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -319,9 +322,9 @@ class _Run:
         if self.owned:
             self.plan.free()
 
-    # what Request calls, in the caller's thread
+    # the work protocol Request calls, in the caller's thread
 
-    def test(self) -> bool:
+    def poll(self) -> bool:
         engine = self.engine
         if engine.lock.acquire(blocking=False):  # else the thread is advancing it right now
             try:
@@ -330,9 +333,9 @@ class _Run:
                     self._check_deadline()
             finally:
                 engine.lock.release()
-        return self._result()
+        return self._ended()
 
-    def wait(self) -> None:
+    def join(self) -> None:
         """Complete the run (no deadline but its own); raise its error."""
         if self.rest is not None:  # lean and untouched (no deadline): alone, finish it here
             lock, runs = self.engine.lock, self.engine.runs
@@ -379,16 +382,16 @@ class _Run:
                 if not self.finished:
                     engine.progress()
                 if self.finished:
-                    return self._result()
+                    return self._ended()
             finally:
                 lock.release()
         with lock:
             engine.progress()
             if not self.finished:
                 self._check_deadline()
-        return self._result()
+        return self._ended()
 
-    def _result(self) -> bool:
+    def _ended(self) -> bool:
         if self.finished and self.error is not None:
             raise self.error
         return self.finished
@@ -523,10 +526,9 @@ def _schedule_request(plan, timeout, owned: bool, finish=None) -> Request:
     engine = plan._engine
     if engine is None:
         engine = plan._engine = _engine(plan.comm)
-    run = _Run(engine, plan, timeout, owned)
-    request = Request(plan.recvbuf, run, finish)
+    run = _Run(engine, plan, timeout, owned, finish=finish)
     engine.submit(run)
-    return request
+    return run
 
 
 # -- the public calls ------------------------------------------------------------------------------
@@ -664,7 +666,7 @@ class _Started(_plans._Known):
                 else:
                     self.work = None
                     work.requests[0] = request
-                    work.wait = request.Wait
+                    work.join = request.Wait
                 return Request(self.recv, work, work.back)
             deadline = None if timeout is None else time.monotonic() + timeout
             requests = [self.iallreduce(*args) for args in pieces]
@@ -774,21 +776,20 @@ def _start_lean(plan) -> Request:
     runs = engine.runs
     if runs:
         with engine.lock:
-            run = _Run(engine, plan, None, False, plan.start_lean())
+            run = _Run(engine, plan, None, False, plan.start_lean(), plan.landed)
             runs.append(run)
             engine.progress()  # every start advances the runs in flight
     else:
         # Nothing in flight: no lock needed to add a run. Only the caller's thread adds runs
         # (one thread per communicator) and the progress thread only removes them, under the
         # lock, from a snapshot; the run is whole before it is appended.
-        run = _Run(engine, plan, None, False, plan.start_lean())
+        run = _Run(engine, plan, None, False, plan.start_lean(), plan.landed)
         runs.append(run)
-    request = Request(plan.recvbuf, run, plan.landed)
-    plan._in_flight = request
+    plan._in_flight = run  # (the run is its request)
     plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
     if engine.thread is None and engine.threaded and not run.finished:
         engine.wake()
-    return request
+    return run
 
 
 _PlanBase._starter = staticmethod(start)
