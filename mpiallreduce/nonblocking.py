@@ -82,6 +82,10 @@ PAUSE_MAX = 1e-3
 #: seconds between the progress thread's looks at new runs: it advances them only once one
 #: was in flight at its previous look (a caller that waits at once completes its own).
 GRACE_SECONDS = 1e-3
+#: longest pause (seconds) of the progress thread while every look finds only new runs (a
+#: caller that starts and waits in a loop): a run then left in flight is advanced within two
+#: such pauses.
+FRESH_PAUSE_MAX = 4e-3
 #: seconds a progress thread waits for work before it exits (the next request starts another).
 IDLE_SECONDS = 1.0
 
@@ -460,19 +464,22 @@ class _Engine:
     def _loop(self) -> None:
         pause, idle_since = GRACE_SECONDS, None
         seen: tuple = ()  # the runs in flight at the last look
+        fresh = False  # whether the last look found only runs started since the one before
         while True:
             time.sleep(pause)
             runs = tuple(self.runs)  # (a copy without the lock: only the lock's holder advances)
             if runs and not any(run in seen for run in runs):
                 # Every run in flight started since the last look (a caller that starts and
                 # waits in a loop completes its own runs): leave them to the caller for one
-                # more pause. Advancing them here would take the GIL and the lock from it,
-                # and turn its flat runs into stepwise ones (measured before this rule: rd 8 B
-                # start().wait() 7.1x comm.Allreduce with the thread, 3.5x without, at load 7
-                # on 2 cores).
-                seen, idle_since, pause = runs, None, GRACE_SECONDS
+                # more pause, longer while that goes on. Advancing them here would take the
+                # GIL and the lock from it, and turn its flat runs into stepwise ones
+                # (measured before this rule: rd 8 B start().wait() 7.1x comm.Allreduce with
+                # the thread, 3.5x without, at load 7 on 2 cores); every look costs the
+                # caller a wake-up on a busy core.
+                pause = min(pause * 2, FRESH_PAUSE_MAX) if fresh else GRACE_SECONDS
+                seen, idle_since, fresh = runs, None, True
                 continue
-            seen = runs
+            seen, fresh = runs, False
             if not runs:
                 now = time.monotonic()
                 idle_since = now if idle_since is None else idle_since
