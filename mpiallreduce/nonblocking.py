@@ -574,11 +574,7 @@ def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
         key, entry = _plans.find((id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op),
                                   algorithm, id(topology),
                                   tuple(params.items()) if params else ()))
-    # (_plans.fits, inline)
-    if entry is not None and recvbuf.dtype is entry.dtype \
-            and (entry.in_place or (sendbuf.dtype is entry.dtype
-                                    and sendbuf.shape == recvbuf.shape)) \
-            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+    if entry is not None and _plans.fits(entry, sendbuf, recvbuf, timeout):
         if check and not entry.fused:  # a fused entry's run (shm) checks the arguments itself
             entry.agree(timeout)
         return entry.start(timeout)
