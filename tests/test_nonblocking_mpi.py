@@ -309,6 +309,25 @@ def test_repeated_iallreduces_in_flight_together_complete_in_any_order(comm, alg
             assert_matches_native(comm, xs[i], outs[i], MPI.SUM)
 
 
+def test_a_cached_native_iallreduce_hands_its_work_from_request_to_request(comm):
+    # A request in flight holds its work object alone (so one dropped in flight is kept, with
+    # its buffers, until MPI completes it: _NativeWork.__del__); once complete it hands the
+    # object back to its cache entry, and the next request of the entry carries it.
+    x = contribution(comm, 50, "float64")
+    out = np.empty_like(x)
+    mar.iallreduce(x, out, comm=comm, algorithm="native").wait()
+    entry = _state.LAST[("iallreduce", id(out))]
+    work = entry.work
+    assert work is not None
+    for seed in (1, 2):
+        x[:] = contribution(comm, 50, "float64", seed=seed)
+        request = mar.iallreduce(x, out, comm=comm, algorithm="native")
+        assert entry.work is None and request._work is work
+        assert request.wait() is out
+        assert entry.work is work
+        assert_matches_native(comm, x, out, MPI.SUM)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "tree"])
 @pytest.mark.parametrize("timeout", [60, None])
