@@ -644,7 +644,8 @@ class _Started(_plans._Known):
         self.nbytes = call.recv.nbytes + send_bytes + (0 if self.plan is None else self.plan.nbytes)
         # an shm plan's run compares the agreement's fields itself (as a blocking call's does)
         self.fused = self.plan is not None and _plans.fused(self.plan)
-        self.done = Request(self.recv)  # what a run whole at the start returns: complete
+        # what a cached shm run (whole at the start) returns: one complete request
+        self.done = Request(self.recv) if self.fused else None
         # a schedule: whether a start without deadline may post from a flat program
         # (_start_lean: untraced, one step at least); None: no steps to progress
         self.lean = None
