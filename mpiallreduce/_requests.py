@@ -16,6 +16,8 @@ class CommRequest:
     ``MPI.Request``: pass it to ``Wait()``, not to ``MPI.Request.Waitall``.
     """
 
+    __slots__ = ("_request", "_done")
+
     def __init__(self, request=None):
         self._request = request  # an mpiallreduce request with wait()/test()
         self._done = request is None
@@ -57,15 +59,19 @@ class CommPrequest(CommRequest):
     inactive request completes at once, as MPI's does.
     """
 
+    __slots__ = ("_plan", "_starter")
+
     def __init__(self, bound):
         super().__init__()
         self._plan = bound
+        # mpiallreduce.start, as the plan's start() calls it (this request waits, not the plan)
+        self._starter = bound._starter
 
     def Start(self) -> None:
         """Start the collective; the request must be inactive (waited for)."""
         if not self._done:
             raise ValueError("Start on an active persistent request; Wait for it first")
-        self._request = self._plan.start()
+        self._request = self._starter(self._plan, None)
         self._done = False
 
     def Free(self) -> None:

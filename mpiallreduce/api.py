@@ -169,4 +169,4 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
     if reproducible:
         return _reproducible.iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
                                         timeout, params)
-    return _iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, **params)
+    return _iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params)

@@ -113,6 +113,7 @@ class _PlanBase:
         self._request = None  # the Request of the last start()
         self._parked: tuple | None = None  # _fast while a run is in flight
         self._engine = None  # what progresses its started runs (set by .nonblocking)
+        self._done = None  # a plan without steps: the complete Request of a start (.nonblocking)
         self._requests: list = []  # every persistent request, for free() and the finalizer
         # A plan dropped without free() still releases its requests (and its own communicator);
         # not at interpreter exit, where MPI may already be finalized.
@@ -301,16 +302,27 @@ class Plan(_PlanBase):
         pending = ()
         startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
         self._posted = None  # where the first step's requests have been started (see start_lean)
+        self._first_requests = None  # what the first step waits on (see start_lean)
         for before, requests, combines, defer, bound in self._program:
             calls += phase("copy", bound.index, before)
-            if len(requests) <= SINGLE_REQUESTS:
+            if requests is None:
+                # not persistent: each run posts the step afresh with the tags of the run's
+                # slot (_tag_base, see _post) into a list of its own, then waits for that list
+                requests = []
+                calls += phase("start", bound.index, [partial(self._post_into, requests, bound)])
+                posted = True
+            elif len(requests) <= SINGLE_REQUESTS:
                 calls += phase("start", bound.index, [request.Start for request in requests])
+                posted = False
             else:
                 calls += phase("start", bound.index, [partial(startall, requests)])
+                posted = False
             if self._posted is None:
-                self._posted = len(calls)
+                self._posted, self._first_requests = len(calls), requests
             calls += pending
-            if len(requests) <= SINGLE_REQUESTS:
+            if posted:
+                calls += phase("wait", bound.index, [partial(waitall, requests)])
+            elif len(requests) <= SINGLE_REQUESTS:
                 calls += phase("wait", bound.index,
                                [request.Wait for request in reversed(requests)])
             else:
@@ -438,23 +450,41 @@ class Plan(_PlanBase):
         return self.recvbuf
 
     def start_lean(self) -> tuple:
-        """Post the first step of a run without deadline (persistent and untraced: ``_fast``
-        set; one step at least) and return ``(requests, rest)``: the first step's requests, and
-        the argument-free calls that complete the run from there (waited in the caller's thread
-        when nothing else is in flight; else the run continues as ``steps(posted=True)``)."""
+        """Post the first step of a run without deadline (untraced, one step at least; not
+        freed, broken or running) and return ``(requests, rest)``: the first step's requests,
+        and the argument-free calls that complete the run from there (waited in the caller's
+        thread when nothing else is in flight; else the run continues as
+        ``steps(posted=requests)``).
+
+        A persistent plan's program is ``_fast``; a plan without persistent requests (an
+        ``iallreduce``'s, which takes a new slot of tags per start) gets one made on first use
+        that posts each step afresh with the tags of the run's slot.
+        """
         fast, lean = self._fast, self._lean
         if lean is None or lean[0] is not fast:  # split once per flat program
+            program = fast if fast is not None else self._flatten()
             posted = self._posted
-            lean = self._lean = (fast, fast[:posted], fast[posted:], self._program[0][1])
+            lean = self._lean = (fast, program[:posted], program[posted:], self._first_requests)
         for call in lean[1]:
             call()
         return lean[3], lean[2]
 
-    def steps(self, posted: bool = False):
+    def _post_into(self, requests: list, bound: _BoundStep) -> None:
+        """Post a step afresh (a plan without persistent requests) into ``requests``, as
+        :meth:`_post` (written out: no list built per step)."""
+        tag = self._tag_base + bound.index % STEP_TAGS
+        comm, append = self.comm, requests.append
+        requests.clear()
+        for peer, view in bound.recvs:
+            append(comm.Irecv(view, peer, tag))
+        for peer, view in bound.sends:
+            append(comm.Isend(view, peer, tag))
+
+    def steps(self, posted: list | None = None):
         """Run once, step by step: yield each step's ``(requests, bound step)`` once posted.
 
         ``posted``: :meth:`start_lean` has already loaded the buffers and started the first
-        step's requests; go on from there.
+        step's requests, these; go on from there.
 
         The caller resumes the generator only when those requests have completed (waited,
         polled or tested: :meth:`run`, or a non-blocking request in
@@ -464,13 +494,13 @@ class Plan(_PlanBase):
         """
         head, program, tail = self._stepwise or self._bind_stepwise()
         startall = MPI.Prequest.Startall
-        if not posted:
+        if posted is None:
             for call in head:
                 call()
         pending = ()  # combines of a step that wait until the next step's messages are posted
         for before, requests, waits, combines, defer, bound in program:
-            if posted:  # (the first step's copies and starts are done)
-                posted = False
+            if posted is not None:  # (the first step's copies and starts are done)
+                requests, posted = posted, None
             else:
                 for call in before:
                     call()

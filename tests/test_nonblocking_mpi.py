@@ -289,9 +289,49 @@ def test_a_repeated_iallreduce_with_the_same_arrays_is_right_every_time(comm, al
     assert len(cached) == 1
 
 
+@pytest.mark.parametrize("algorithm", ["native", "ring", "rabenseifner", "shm"])
+def test_repeated_iallreduces_in_flight_together_complete_in_any_order(comm, algorithm):
+    # Cached entries (the same arrays every round) start lean: a schedule posts its first step
+    # from a flat program of fresh messages in a new slot per start, which test() (or another
+    # start, or the progress thread) turns into a stepwise run; native hands its work object
+    # from one request to the next. Three in flight at once, polled and waited in any order.
+    xs = [contribution(comm, count, "float64", seed=s) for s, count in enumerate((301, 7, 64))]
+    outs = [np.empty_like(x) for x in xs]
+    for round_ in range(3):
+        for s, x in enumerate(xs):
+            x[:] = contribution(comm, x.size, "float64", seed=10 * round_ + s)
+        requests = [mar.iallreduce(x, out, comm=comm, algorithm=algorithm)
+                    for x, out in zip(xs, outs)]
+        while not requests[1].test():
+            pass
+        for i in (2, 0, 1):
+            assert requests[i].wait() is outs[i]
+            assert_matches_native(comm, xs[i], outs[i], MPI.SUM)
+
+
+def test_a_cached_native_iallreduce_hands_its_work_from_request_to_request(comm):
+    # A request in flight holds its work object alone (so one dropped in flight is kept, with
+    # its buffers, until MPI completes it: _NativeWork.__del__); once complete it hands the
+    # object back to its cache entry, and the next request of the entry carries it.
+    x = contribution(comm, 50, "float64")
+    out = np.empty_like(x)
+    mar.iallreduce(x, out, comm=comm, algorithm="native").wait()
+    entry = _state.LAST[("iallreduce", id(out))]
+    work = entry.work
+    assert work is not None
+    for seed in (1, 2):
+        x[:] = contribution(comm, 50, "float64", seed=seed)
+        request = mar.iallreduce(x, out, comm=comm, algorithm="native")
+        assert entry.work is None and request._work is work
+        assert request.wait() is out
+        assert entry.work is work
+        assert_matches_native(comm, x, out, MPI.SUM)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "tree"])
-def test_ranks_whose_call_caches_differ_still_match_their_messages(comm, algorithm):
+@pytest.mark.parametrize("timeout", [60, None])
+def test_ranks_whose_call_caches_differ_still_match_their_messages(comm, algorithm, timeout):
     # Rank 0 keeps nothing in its call cache, the others keep everything: a cached schedule
     # entry must still take the same slot of tags as a rank that binds the call afresh, or two
     # requests in flight at once (and the explicit plan made after them) swap messages or hang.
@@ -302,9 +342,11 @@ def test_ranks_whose_call_caches_differ_still_match_their_messages(comm, algorit
     out_a, out_b = np.empty_like(a), np.empty_like(b)
     for round_ in range(3):
         a[:] = contribution(comm, 257, "float64", seed=10 + round_)
-        # (a timeout, so that swapped messages fail the test instead of hanging the job)
-        first = mar.iallreduce(a, out_a, comm=comm, algorithm=algorithm, timeout=60)
-        second = mar.iallreduce(b, out_b, comm=comm, algorithm=algorithm, timeout=60)
+        # (a timeout, so that swapped messages fail the test instead of hanging the job; without
+        # one, the others' cached entries start lean, and swapped messages of different sizes
+        # raise MPI's truncation error)
+        first = mar.iallreduce(a, out_a, comm=comm, algorithm=algorithm, timeout=timeout)
+        second = mar.iallreduce(b, out_b, comm=comm, algorithm=algorithm, timeout=timeout)
         second.wait()
         first.wait()
         assert_matches_native(comm, a, out_a, MPI.SUM)
