@@ -139,8 +139,7 @@ def _fresh_copy(source: np.ndarray) -> None:
 
 
 def _plan_cost(comm, steps, count: int, iterations: int) -> float:
-    """Seconds per ``Plan.run()`` of ``steps`` on ``count`` float64 (slowest rank, best of
-    :data:`REPEATS` rounds)."""
+    """Seconds per ``Plan.run()`` of ``steps`` on ``count`` float64 (:func:`_seconds_per_run`)."""
     from mpi4py import MPI
 
     from ..executor import Plan
@@ -152,17 +151,25 @@ def _plan_cost(comm, steps, count: int, iterations: int) -> float:
         plan = Plan(private, tuple(steps), x, y, reducer(MPI.SUM, np.dtype("float64")),
                     "calibrate")
         try:
-            elapsed = float("inf")
-            for _ in range(SHORT_REPEATS):
-                comm.Barrier()
-                start = MPI.Wtime()
-                for _ in range(iterations):
-                    plan.run()
-                elapsed = min(elapsed, (MPI.Wtime() - start) / iterations)
+            return _seconds_per_run(comm, plan.run, iterations)
         finally:
             plan.free()
     finally:
         private.Free()
+
+
+def _seconds_per_run(comm, run, iterations: int) -> float:
+    """Seconds per call of ``run`` (the slowest rank's best of :data:`SHORT_REPEATS` rounds of
+    ``iterations`` calls, each round after a barrier)."""
+    from mpi4py import MPI
+
+    elapsed = float("inf")
+    for _ in range(SHORT_REPEATS):
+        comm.Barrier()
+        start = MPI.Wtime()
+        for _ in range(iterations):
+            run()
+        elapsed = min(elapsed, (MPI.Wtime() - start) / iterations)
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
@@ -216,16 +223,9 @@ def _shm_cost(comm, nbytes: int, iterations: int) -> float | None:
     except (ValueError, NotImplementedError, MPI.Exception):
         return None
     try:
-        elapsed = float("inf")
-        for _ in range(SHORT_REPEATS):
-            comm.Barrier()
-            start = MPI.Wtime()
-            for _ in range(iterations):
-                bound.run()
-            elapsed = min(elapsed, (MPI.Wtime() - start) / iterations)
+        return _seconds_per_run(comm, bound.run, iterations)
     finally:
         bound.free()
-    return comm.allreduce(elapsed, op=MPI.MAX)
 
 
 def _node_bandwidth(comm, nbytes: int = 64 << 20) -> float:
