@@ -54,6 +54,8 @@ $(VENV)/.installed: pyproject.toml
 # serial suite does not depend on the library, so `make test` runs it once, under Open MPI.
 LIBRARY_SERIAL := tests/test_order.py tests/test_bench.py tests/test_tune.py \
 	tests/test_native_sweep.py tests/test_thread_levels.py tests/test_dead_ranks.py tests/test_info.py
+# Under Open MPI the other serial tests (pure Python: schedules, verifier, model) run on two
+# pytest-xdist workers first, then these one at a time (they launch MPI jobs and time them).
 SERIAL_TESTS ?= tests
 
 ifeq ($(MPI),all)
@@ -62,7 +64,9 @@ test:
 	$(MAKE) test MPI=mpich SERIAL_TESTS="$(LIBRARY_SERIAL)"; b=$$?; exit $$((a || b))
 else
 test: $(VENV)/.installed
-	RANKS="$(RANKS)" VENV="$(VENV)" SERIAL_TESTS="$(SERIAL_TESTS)" scripts/run-tests.sh
+	RANKS="$(RANKS)" VENV="$(VENV)" SERIAL_TESTS="$(SERIAL_TESTS)" \
+		SERIAL_ALONE="$(if $(filter tests,$(SERIAL_TESTS)),$(LIBRARY_SERIAL) tests/test_trace_mpi.py)" \
+		scripts/run-tests.sh
 endif
 
 test-quick: $(VENV)/.installed

@@ -12,6 +12,8 @@ PY=$VENV/bin/python
 RANKS=${RANKS-1 2 3 4 5 8}
 SERIAL=${SERIAL:-1}
 SERIAL_TESTS=${SERIAL_TESTS:-tests}   # what the serial run collects
+SERIAL_ALONE=${SERIAL_ALONE:-}        # of those, files run one test at a time after the others
+SERIAL_WORKERS=${SERIAL_WORKERS:-2}   # pytest-xdist workers for the rest (1: no xdist)
 MPI_TESTS=${MPI_TESTS:-tests}         # what each MPI run collects
 MPI_SELECT=${MPI_SELECT:-}            # a pytest -k expression for the MPI runs (empty: all)
 MPI_TIMEOUT=${MPI_TIMEOUT:-600}
@@ -35,14 +37,33 @@ count() {  # add the counts of a pytest summary line to the totals
     done
 }
 
-if [ "$SERIAL" = 1 ]; then
-    echo "=== serial tests"
-    timeout "$MPI_TIMEOUT" "$PY" -m pytest -q --color=no -m "not mpi and not slow" $SERIAL_TESTS \
+serial_run() {  # a pytest run of serial tests: its label, then pytest's arguments
+    local label=$1 t0 rc
+    shift
+    echo "=== serial tests$label"
+    t0=$(date +%s)
+    timeout "$MPI_TIMEOUT" "$PY" -m pytest -q --color=no -m "not mpi and not slow" "$@" \
         | tee .test-logs-serial.txt
     rc=${PIPESTATUS[0]}
     count "$(summary_of .test-logs-serial.txt)"
+    echo "=== serial tests$label: $(summary_of .test-logs-serial.txt) ($(( $(date +%s) - t0 )) s)"
     rm -f .test-logs-serial.txt
-    [ $rc -ne 0 ] && { echo "serial tests failed (exit $rc)"; status=1; }
+    [ $rc -ne 0 ] && { echo "serial tests$label failed (exit $rc)"; status=1; }
+}
+
+if [ "$SERIAL" = 1 ]; then
+    if [ -n "$SERIAL_ALONE" ] && [ "$SERIAL_WORKERS" -gt 1 ] \
+            && "$PY" -c 'import xdist' 2>/dev/null; then
+        # the pure-Python tests on $SERIAL_WORKERS workers (pytest-xdist); those that launch
+        # MPI jobs or time things ($SERIAL_ALONE) after them, one at a time
+        ignored=()
+        for f in $SERIAL_ALONE; do ignored+=("--ignore=$f"); done
+        serial_run " (on $SERIAL_WORKERS workers)" -n "$SERIAL_WORKERS" -p no:cacheprovider \
+            "${ignored[@]}" $SERIAL_TESTS
+        serial_run " (one at a time)" $SERIAL_ALONE
+    else
+        serial_run "" $SERIAL_TESTS
+    fi
 fi
 
 for n in $RANKS; do
