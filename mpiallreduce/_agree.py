@@ -33,7 +33,7 @@ from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
 
 #: field names of the signature; the first is the bad-input flag.
 FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
-          "timeout", "tuning table", "native 8/16-bit saturation")
+          "timeout", "tuning table", "auto's inputs")
 #: signature field a rank could not determine (its own input was bad).
 UNKNOWN = -9
 
@@ -195,8 +195,9 @@ def describe(field_name: str, value: int, names: tuple[str, ...]) -> str:
         return "a timeout" if value else "no timeout"
     if field_name == "tuning table":
         return "no tuning table" if value == 0 else f"a tuning table with checksum {value}"
-    if field_name == "native 8/16-bit saturation":
-        return "a native library that saturates" if value else "a native library that wraps"
+    if field_name == "auto's inputs":  # bit 0: native saturates 8/16-bit sums; bit 1: in place
+        return (("in place" if value & 2 else "out of place") + ", a native library that "
+                + ("saturates" if value & 1 else "wraps"))
     return str(value)
 
 

@@ -162,16 +162,19 @@ class Call:
         # a topology that differs between ranks gives mismatched schedules: a hang
         topology = (-1 if self.topology is None
                     else zlib.crc32(repr(self.topology.levels).encode()) & 0x7FFFFFFF)
-        # auto's choice depends on the tuning table each rank reads (the same file everywhere)
-        # and on whether this process's MPI saturates 8/16-bit sums (op/avx picks its code by
-        # CPU features, so nodes of a mixed cluster could differ)
-        table = deviates = 0
+        # auto's choice depends on the tuning table each rank reads (the same file everywhere),
+        # on whether this process's MPI saturates 8/16-bit sums (op/avx picks its code by CPU
+        # features, so nodes of a mixed cluster could differ) and, on one node, on whether the
+        # call is in place (select.one_node_choice): ranks that differ would run different
+        # algorithms and wait for each other
+        table = inputs = 0
         if self.algorithm == "auto" and self.collective == "allreduce":
             table = select.digest()
-            deviates = int(native_deviates(self.reducer.name, self.recv.dtype))
+            inputs = (int(native_deviates(self.reducer.name, self.recv.dtype))
+                      | (2 if self.send is None else 0))
         return [0, count, DTYPES.index(self.recv.dtype), op,
                 COLLECTIVE_ALGORITHMS[self.collective].index(self.algorithm), self.root, params,
-                topology, int(timeout is not None), table, deviates]
+                topology, int(timeout is not None), table, inputs]
 
 
 def allreduce_call(sendbuf, recvbuf, op, comm, algorithm, topology, params=None) -> Call:

@@ -94,7 +94,8 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
 
     ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
     ``op/avx``): it runs a schedule there, whose NumPy combines wrap as C does. Given the
-    communicator's ``state``, ``auto`` picks ``shm`` where :func:`select.shm_fits` and every rank
+    communicator's ``state``, ``auto`` picks what :func:`select.one_node_choice` says (``shm``,
+    or out of place a schedule where one measured faster, for commutative ops) where every rank
     is on one node (the first time, the topology discovery is collective: every rank resolves
     its first ``auto`` call at the same call, a miss of every cache). A tuning table for the
     communicator size overrides that rule. Where it asks the cost model (more ranks than were
@@ -104,12 +105,14 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
     if name != "auto":
         return name
     red, nbytes = call.reducer, call.recv.nbytes
-    if state is not None and select.shm_fits(nranks, nbytes):
+    one_node = None if state is None else select.one_node_choice(
+        nranks, nbytes, call.send is None, red.commutative)
+    if one_node is not None:
         topology = call.topology
         if topology is None:
             topology = state.default_topology(deadline, what)
         if topology.nnodes == 1:
-            return "shm"
+            return one_node
     if nranks > 1 and native_deviates(red.name, call.recv.dtype):
         return "recursive_doubling" if nbytes < select.MODULAR_RING_BYTES else "ring"
     topology = call.topology

@@ -71,8 +71,20 @@ RULES = (
 #: rank gives its core away and a small call costs scheduler time slices: at 4 ranks on the 2
 #: cores, 8 B took 2.5x native's time (native yields too, but sooner) and 64 KiB 0.78x, so
 #: there ``auto`` runs shm only from :data:`SHM_OVERSUBSCRIBED_BYTES`.
-SHM_RULE = (2, 8, 0, None)
+#: Measured again at 2 ranks on a quieter VM (2026-12-01 21:09, float64 SUM, bench, 3
+#: interleaved rounds, load ~2; native time / time, median round): from 4 MiB shm lost to
+#: native in both modes (out of place 0.85-1.02 at 4-16 MiB, in place 0.68-0.82) where the
+#: built-in rule's pipelined ring took 1.6-1.9 out of place and 0.76-0.95 in place; so at 2
+#: ranks shm stops at 4 MiB. 3-8 ranks outnumber this VM's cores and were not measured so.
+SHM_RULES = ((2, 2, 0, 4 << 20), (3, 8, 0, None))
 SHM_OVERSUBSCRIBED_BYTES = 128 << 10
+#: On one node, out of place only: (fewest ranks, most ranks, least bytes, most bytes
+#: (exclusive), algorithm) where a schedule that reduces straight out of ``sendbuf`` beat shm
+#: (the same run as above): at 2 ranks recursive_doubling took 2.98, 3.92, 4.27, 4.79, 5.29 of
+#: native's speed at 16, 32, 64, 128, 256 KiB where shm took 1.72, 1.45, 1.22, 1.26, 1.31
+#: (512 KiB: 5.72 and 8.55 with rounds from 1.4 to 9.7; at 1-2 MiB shm was ahead, 1.87 and
+#: 1.61 against 1.44 and 1.31). In place shm stays (2.13-1.30 against at most 1.18).
+ONE_NODE_OUT_OF_PLACE_RULES = ((2, 2, 16 << 10, 1 << 20, "recursive_doubling"),)
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
 MODULAR_RING_BYTES = 1 << 16
@@ -111,15 +123,30 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None,
     return "native"
 
 
-def shm_fits(nranks: int, nbytes: int) -> bool:
-    """Would ``auto`` run ``shm`` for this size, if every rank is on one node? Never where a
-    measured tuning table covers ``nranks``: the table (which may name ``shm``) decides."""
+def one_node_choice(nranks: int, nbytes: int, in_place: bool,
+                    commutative: bool = True) -> str | None:
+    """What ``auto`` runs if every rank is on one node (the same on every rank for the same
+    arguments): ``shm``, an out-of-place schedule of :data:`ONE_NODE_OUT_OF_PLACE_RULES`
+    (commutative ops), or None (the rules for any topology decide). None where a measured
+    tuning table covers ``nranks``: the table (which may name ``shm``) decides."""
     if nranks in tables():
-        return False
-    low, high, least, most = SHM_RULE
-    if nranks > (os.cpu_count() or 1):
-        least = max(least, SHM_OVERSUBSCRIBED_BYTES)
-    return low <= nranks <= high and least <= nbytes and (most is None or nbytes < most)
+        return None
+    if not in_place and commutative:
+        for low, high, least, most, name in ONE_NODE_OUT_OF_PLACE_RULES:
+            if low <= nranks <= high and least <= nbytes < most:
+                return name
+    oversubscribed = nranks > (os.cpu_count() or 1)
+    for low, high, least, most in SHM_RULES:
+        if oversubscribed:
+            least = max(least, SHM_OVERSUBSCRIBED_BYTES)
+        if low <= nranks <= high and least <= nbytes and (most is None or nbytes < most):
+            return "shm"
+    return None
+
+
+def shm_fits(nranks: int, nbytes: int, in_place: bool = True) -> bool:
+    """Would ``auto`` run ``shm`` for this size and mode, if every rank is on one node?"""
+    return one_node_choice(nranks, nbytes, in_place) == "shm"
 
 
 def model_choice(nranks: int, nbytes: int, reducer: Reducer, topology=None) -> str:

@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 import pytest
 from conftest import (
+    GRID_KINDS,
     assert_identical_across_ranks,
     assert_matches_native,
     assert_on_every_rank,
@@ -546,9 +547,29 @@ def test_a_shape_mismatch_raises_warm_as_it_does_cold(comm, algorithm):
     assert_matches_native(comm, x, mar.allreduce(x, out, comm=comm, algorithm=algorithm), MPI.SUM)
 
 
-def test_the_signature_carries_autos_saturation_probe(comm):
-    call = _checks.allreduce_call(np.ones(3, dtype=np.int8), None, MPI.SUM, comm, "auto", None)
+def test_the_signature_carries_autos_saturation_probe_and_mode(comm):
+    x = np.ones(3, dtype=np.int8)
+    saturates = int(ops.native_deviates("SUM", np.dtype(np.int8)))
+    field = _agree.FIELDS.index("auto's inputs")
+    call = _checks.allreduce_call(x, None, MPI.SUM, comm, "auto", None)
     fields = call.signature(None)
     assert len(fields) == len(_agree.FIELDS)
-    assert fields[_agree.FIELDS.index("native 8/16-bit saturation")] == int(
-        ops.native_deviates("SUM", np.dtype(np.int8)))
+    assert fields[field] == saturates
+    in_place = _checks.allreduce_call(MPI.IN_PLACE, x, MPI.SUM, comm, "auto", None)
+    assert in_place.signature(None)[field] == saturates | 2
+
+
+@pytest.mark.parametrize("comm", GRID_KINDS, indirect=True)
+def test_auto_in_place_on_some_ranks_only_raises_on_every_rank(comm):
+    # on one node auto's choice depends on the mode (shm in place, a schedule out of place
+    # at some sizes): ranks that differ would wait for each other, so the check refuses it
+    x = contribution(comm, 8192, "float64")  # 64 KiB
+    if comm.size == 1:  # nobody to differ from (a split of 3 ranks has one of 1)
+        assert_matches_native(comm, x, mar.allreduce(MPI.IN_PLACE, x.copy(), comm=comm), MPI.SUM)
+        return
+    with pytest.raises(ValueError, match="auto's inputs differs: in place, "):
+        if comm.rank == 0:
+            mar.allreduce(MPI.IN_PLACE, x.copy(), comm=comm)
+        else:
+            mar.allreduce(x, comm=comm)
+    assert_matches_native(comm, x, mar.allreduce(x, comm=comm), MPI.SUM)

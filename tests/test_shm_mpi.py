@@ -19,7 +19,7 @@ from conftest import (
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _agree, _plans, _state, shm
+from mpiallreduce import _agree, _plans, _state, select, shm
 from mpiallreduce.topology import Topology
 
 pytestmark = pytest.mark.mpi
@@ -315,13 +315,12 @@ def test_the_check_over_shared_memory_reports_a_timeout_on_some_ranks_only():
 
 
 def test_auto_runs_shm_on_one_node(comm):
-    from mpiallreduce import select
 
     one_node = Topology.from_comm(comm).nnodes == 1
     for count in (1, 1000, 100_000):
         x = contribution(comm, count, "float64")
         with mar.plan(x, comm=comm) as plan:
-            if one_node and select.shm_fits(comm.size, x.nbytes):
+            if one_node and select.shm_fits(comm.size, x.nbytes, in_place=False):
                 assert plan.algorithm == "shm"
             else:
                 assert plan.algorithm != "shm"
@@ -442,8 +441,11 @@ def test_fields_only_the_argument_check_covered_raise_in_the_run(dup, field, ent
     """Built and run without the separate check (check=False), ranks that differ in a field the
     data alone does not show raise the agreement's message on every rank from the run."""
     comm = dup
-    # 160 kB: auto runs shm at every size of one node, oversubscribed too (select.SHM_RULE)
-    x = contribution(comm, 20_000, "float64")
+    # 1.28 MB: auto runs shm out of place at every size of one node, oversubscribed too
+    # (select.one_node_choice: from 128 KiB oversubscribed, at 2 ranks below 16 KiB and from
+    # 1 MiB to 4 MiB)
+    x = contribution(comm, 160_000, "float64")
+    assert select.shm_fits(comm.size, x.nbytes, in_place=False)
     mar.allreduce(x, comm=comm, algorithm="shm")  # node and topology exist: nothing collective
     topology = Topology.from_comm(comm)  # one node (collective: on every rank)
     odd = comm.rank == 1
