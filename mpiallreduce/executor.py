@@ -470,8 +470,8 @@ class Plan(_PlanBase):
         return lean[3], lean[2]
 
     def _post_into(self, requests: list, bound: _BoundStep) -> None:
-        """Post a step afresh (a plan without persistent requests) into ``requests``, as
-        :meth:`_post` (written out: no list built per step)."""
+        """Post a step afresh with the tags of the run's slot into ``requests`` (cleared first:
+        a plan without persistent requests reuses one list per step)."""
         tag = self._tag_base + bound.index % STEP_TAGS
         comm, append = self.comm, requests.append
         requests.clear()
@@ -540,9 +540,10 @@ class Plan(_PlanBase):
         return self._stepwise
 
     def _post(self, bound: _BoundStep) -> list:
-        tag = self._tag_base + bound.index % STEP_TAGS
-        return ([self.comm.Irecv(view, peer, tag) for peer, view in bound.recvs]
-                + [self.comm.Isend(view, peer, tag) for peer, view in bound.sends])
+        """Post a step afresh (receives first) and return its requests."""
+        requests: list = []
+        self._post_into(requests, bound)
+        return requests
 
     def expire(self, requests, bound: _BoundStep, timeout: float) -> None:
         """Give up on a step past its deadline: cancel its receives, mark the plan, raise."""
