@@ -52,8 +52,8 @@ class Signature:
         self.packed = array("q", fields + [-value for value in fields])
         self.result = array("q", bytes(8 * len(self.packed)))
         # as written into a shared-memory header (mpiallreduce.shm), where the ranks share one;
-        # its last word is carried, not compared (see shm.Node.agree): ``carried`` is then the
-        # largest rank's (None where the check ran as a collective)
+        # its last word is carried, not compared (see shm.Node.agree): ``carried`` is then
+        # every rank's, a list (None where the check ran as a collective)
         self.shm = memoryview(array("q", signature_words(KIND_CHECK, fields)))
         self.carried = None
 
@@ -142,8 +142,8 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
     ``checks_itself(call, state)`` says the call's run compares the agreement's fields itself
     (``_plans.checks_itself``: an shm run), a call that passed its local checks skips the
     agreement; a rank whose checks failed runs it, and the others' runs join its exchange.
-    ``carry``: an object whose ``word(call)`` (>= 0) the check carries where it runs over shared
-    memory; its ``largest`` is then set to the largest rank's (None where the check ran as a
+    ``carry``: an object whose ``word(call)`` (an int64) the check carries where it runs over
+    shared memory; its ``words`` is then set to every rank's (None where the check ran as a
     collective).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -166,14 +166,14 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
         if checks_itself is not None and checks_itself(call, state):
             return call
         signature = Signature(call.signature(timeout))
-        if carry is not None:  # a word (>= 0) the check carries over shared memory
+        if carry is not None:  # a word (int64) the check carries over shared memory
             signature.shm[-1] = carry.word(call)
     except Exception as exc:  # noqa: BLE001 - every kind must reach every rank
         error, signature = exc, Signature(bad_signature())
     agree(state.checker, what, signature, error, COLLECTIVE_ALGORITHMS[collective], valid,
           state.fail)
     if carry is not None:
-        carry.largest = signature.carried
+        carry.words = signature.carried
     return call
 
 

@@ -89,7 +89,8 @@ def builder_params(name: str, call: Call, collective: str = "allreduce") -> tupl
 
 
 def resolve(call: Call, nranks: int, state: CommState | None = None,
-            deadline: float | None = None, what: str = "allreduce") -> str:
+            deadline: float | None = None, what: str = "allreduce",
+            shared: bool = False) -> str:
     """The algorithm a call runs: its own, or what ``auto`` picks (the same on every rank).
 
     ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
@@ -100,13 +101,14 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
     its first ``auto`` call at the same call, a miss of every cache). A tuning table for the
     communicator size overrides that rule. Where it asks the cost model (more ranks than were
     measured) without a topology given, the model gets the communicator's own, not one node.
+    ``shared``: see :func:`select.one_node_choice` (decided alike on every rank by the caller).
     """
     name = call.algorithm
     if name != "auto":
         return name
     red, nbytes = call.reducer, call.recv.nbytes
     one_node = None if state is None else select.one_node_choice(
-        nranks, nbytes, call.send is None, red.commutative)
+        nranks, nbytes, call.send is None, red.commutative, shared)
     if one_node is not None:
         topology = call.topology
         if topology is None:
@@ -130,7 +132,7 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
 
 def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
           timeout: float | None, deadline: float | None = None, what: str = "allreduce",
-          borrow_scratch: bool = False):
+          borrow_scratch: bool = False, shared: bool = False):
     """Bind a plan for ``call``.
 
     ``explicit`` plans (``mar.plan``) take a slot of tags of their own, and native ones a
@@ -143,23 +145,15 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     """
     private = state.private
     nranks, rank = private.Get_size(), private.Get_rank()
-    name = resolve(call, nranks, state, deadline, what)
+    name = resolve(call, nranks, state, deadline, what, shared)
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,
                           owned=explicit)
     topology = call.topology
     if name == "shm":  # the node-local shared-memory transport, not a schedule
-        if topology is None and nranks > 1:
-            topology = state.default_topology(deadline, what)
-        # every run compares the argument-check fields too: an explicit plan's as agreed when
-        # it was built, a one-shot call's with the timeout of the run (as the check would)
-        agreement = ((call.signature(timeout),) * 2 if explicit
-                     else (call.signature(None), call.signature(1.0)))
-        return shm.build(call, state, topology=topology, timeout=timeout, deadline=deadline,
-                         plan_id=state.take_slot() if explicit else 0, what=what,
-                         agreement=agreement,
-                         disagree=partial(_disagree, state.checker, what))
+        return build_shm(call, state, explicit=explicit, timeout=timeout, deadline=deadline,
+                         what=what)
     if algorithms.get(name).uses_topology and topology is None:
         # Every rank reaches this point for the same algorithm, so the discovery's collectives match.
         topology = state.default_topology(deadline, what)
@@ -175,6 +169,24 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     return Plan(private, plan_steps, call.send, call.recv, call.reducer, name,
                 persistent=persistent, scratch=scratch, timeout=timeout, state=state,
                 tag_base=tag_base)
+
+
+def build_shm(call: Call, state: CommState, *, explicit: bool, timeout, deadline, what: str,
+              signature=None, exact: bool = False):
+    """Bind an shm plan for ``call``: every run compares the argument-check fields too (those
+    ``signature(timeout)`` gives, by default the call's), an explicit plan's as agreed when it
+    was built, a one-shot call's with the timeout of the run (as the check would). ``exact``:
+    see :func:`.shm.build`."""
+    topology = call.topology
+    if topology is None and state.private.Get_size() > 1:
+        topology = state.default_topology(deadline, what)
+    signature = call.signature if signature is None else signature
+    agreement = ((signature(timeout),) * 2 if explicit
+                 else (signature(None), signature(1.0)))
+    return shm.build(call, state, topology=topology, timeout=timeout, deadline=deadline,
+                     plan_id=state.take_slot() if explicit else 0, what=what,
+                     agreement=agreement, disagree=partial(_disagree, state.checker, what),
+                     exact=exact)
 
 
 def _node_phased(name: str, call: Call, state: CommState, topology, *, explicit: bool,

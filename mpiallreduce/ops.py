@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cache, partial
 
 import numpy as np
@@ -202,3 +204,26 @@ def native_deviates(name: str, dtype: np.dtype) -> bool:
                 if not np.array_equal(local, ufunc(received, received)):
                     return True
     return False
+
+
+def exact_sum(values) -> float:
+    """The correctly rounded sum of the floats ``values`` (in any order: the same bits), with
+    IEEE addition's special values: NaN (the default quiet NaN) if any is NaN or both
+    infinities occur, an infinity alone gives it, a sum beyond the largest float an infinity of
+    its sign, and -0 only when every value is -0."""
+    try:
+        total = math.fsum(values)
+    except OverflowError:  # a partial sum beyond the largest float: exactly, in rationals
+        special = [v for v in values if not math.isfinite(v)]
+        if special:  # NaN, or infinities: of one sign, that one, else NaN
+            return special[0] if len(set(special)) == 1 and special[0] == special[0] else math.nan
+        exact = sum(map(Fraction, values))
+        try:
+            return float(exact)
+        except OverflowError:
+            return math.inf if exact > 0 else -math.inf
+    except ValueError:  # +inf and -inf
+        return math.nan
+    if total == 0.0:
+        return -0.0 if all(math.copysign(1.0, v) < 0 for v in values) else 0.0
+    return math.nan if total != total else total

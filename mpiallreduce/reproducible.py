@@ -44,6 +44,7 @@ the default quiet NaN (payloads are not kept).
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import time
 import weakref
@@ -59,7 +60,7 @@ from ._checks import ALGORITHMS, allreduce_call
 from ._state import CALLS, LAST
 from ._state import state as comm_state
 from .executor import _PlanBase, flat
-from .ops import reducer
+from .ops import exact_sum, reducer
 
 #: bits of each fixed-point word below its 21 bits of carry headroom.
 WORD_BITS = 42
@@ -127,6 +128,14 @@ def word_bits(nranks: int) -> int:
     return min(WORD_BITS, 52 - nranks.bit_length())
 
 
+#: most ranks for which a one-value float64 run gathers the values themselves (one exchange of
+#: ``8 * p`` bytes, then an exact sum of ``p`` values on every rank: :func:`.ops.exact_sum`)
+#: rather than agreeing on their largest exponent first (two exchanges of 2 and 16 bytes). Measured
+#: at 2 ranks only (one exchange fewer, and the check over shared memory carries the values:
+#: none of its own); 64 keeps the exact sum (about 30 ns a value) well below an exchange.
+GATHER_RANKS = 64
+
+
 #: most float elements for which a run looks its scales up in tables (one NumPy call) rather
 #: than computing them from the keys (two or three): NumPy's cost per call dominates small runs.
 SMALL = 256
@@ -187,6 +196,10 @@ class ReproduciblePlan(_PlanBase):
     unit is the subnormal spacing) are seen in the keys' maximum and minimum.
     """
 
+    #: its run checks the call's arguments itself (a one-value plan on shm, see
+    #: :meth:`_init_gathered`), so ``check=True`` needs no separate agreement
+    fused = False
+
     def __init__(self, call, state, *, explicit: bool, timeout: float | None,
                  deadline: float | None, what: str):
         private = state.private
@@ -214,10 +227,15 @@ class ReproduciblePlan(_PlanBase):
         self._overflow_key = fmt.max_exponent + fmt.bias - nranks.bit_length()
         words_call = replace(call, send=None, recv=np.empty(0), reducer=reducer(MPI.SUM,
                                                                                 np.float64))
+        self._gathered = None
+        if size == 1 and fmt.words == 2 and nranks <= GATHER_RANKS:
+            self._init_gathered(call, words_call, state, explicit, timeout, deadline, what)
+            return
         words_bytes = fmt.words * size * 8
+        # in node-shared memory where shm sums them: no copy in or out, so at any size
         pooled = (nranks > 1 and words_bytes > shm.SMALL_BYTES
                   and _plans.resolve(replace(words_call, recv=np.empty(fmt.words * size)),
-                                     nranks, state, deadline, what) == "shm")
+                                     nranks, state, deadline, what, shared=True) == "shm")
         if pooled:  # keys, then words, in the node's shared scratch
             keys_bytes = -(-2 * size // 64) * 64
             scratch = _node_scratch(state, keys_bytes + words_bytes, deadline, what)
@@ -236,9 +254,73 @@ class ReproduciblePlan(_PlanBase):
                                        timeout=None, deadline=deadline, what=what)
         self._inner = _plans.build(replace(words_call, recv=self._words.reshape(-1)), state,
                                    explicit=explicit, persistent=True, timeout=None,
-                                   deadline=deadline, what=what)
+                                   deadline=deadline, what=what, shared=pooled)
         super().__init__(private, call.send, call.recv, call.reducer, timeout=timeout, state=state)
         self._bind(top, least, out)
+
+    def _init_gathered(self, call, words_call, state, explicit: bool, timeout: float | None,
+                       deadline: float | None, what: str) -> None:
+        """One float64 value on at most :data:`GATHER_RANKS` ranks: the ranks' values themselves
+        are gathered (a SUM of ``p`` float64 where rank ``r`` sends its value at ``r`` and -0
+        everywhere else: exact in any order, so any algorithm gives every rank every value) and
+        each rank adds them up exactly with :func:`.ops.exact_sum`. One exchange instead of two
+        (the keys' maximum, then the words), and the result is the correctly rounded sum
+        always."""
+        nranks, rank = state.private.Get_size(), state.private.Get_rank()
+        self._keys_plan = None
+        self._words = np.full(nranks, -0.0)
+        self._own = (self._words,)
+        self._shift = np.empty(0, np.int32)
+        self.fused = nranks > 1 and _plans.resolve(call, nranks, state, deadline, what) == "shm"
+        if self.fused:  # shm: the run reads the peers' values where they wrote them, and checks
+            # the arguments itself (its signature, reproducible marked, folds the check's in)
+            self._inner = _plans.build_shm(call, state, explicit=explicit, timeout=timeout,
+                                           deadline=deadline, what=what, exact=True,
+                                           signature=_Agreed(call).signature)
+        else:
+            self._inner = _plans.build(replace(words_call, recv=self._words), state,
+                                       explicit=explicit, persistent=True, timeout=None,
+                                       deadline=deadline, what=what)
+        super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
+                         state=state)
+        self._gathered = (memoryview(self._values), memoryview(self._words), rank,
+                          memoryview(np.full(nranks, -0.0)), memoryview(self._out),
+                          float(nranks) if self._average else None,
+                          memoryview(self._values.view(np.int64)),
+                          struct.Struct(f"={nranks}q").pack, struct.Struct(f"={nranks}d").unpack)
+
+    def _run_gathered(self, deadline: float | None) -> np.ndarray:
+        """The run of a one-value plan that gathers (see :meth:`_init_gathered`)."""
+        if self.fused:
+            self._inner.run(_left(deadline))
+            return self.recvbuf
+        values, words, rank, minus_zeros, out, divisor = self._gathered[:6]
+        words[rank] = values[0]  # before an in-place result overwrites it
+        self._inner.run(_left(deadline))
+        total = exact_sum(words.tolist())
+        words[:] = minus_zeros  # -0 everywhere for the next run
+        out[0] = total if divisor is None else total / divisor
+        return self.recvbuf
+
+    @property
+    def carries(self) -> bool:
+        """Does a check over shared memory carry what this plan's run needs (one float64)?"""
+        return self._gathered is not None and not self.fused
+
+    def carry_word(self) -> int:
+        """What the argument check carries for this plan over shared memory: the value's bits
+        (as int64) where the plan gathers, else 0."""
+        return self._gathered[6][0] if self._gathered is not None else 0
+
+    def run_carried(self, words: list[int], timeout: float | None) -> np.ndarray:
+        """Run a gathering one-value plan whose check over shared memory carried every rank's
+        value (``Signature.carried``, :meth:`carry_word`): no exchange of its own."""
+        self._start(timeout)
+        gathered = self._gathered
+        total = exact_sum(gathered[8](gathered[7](*words)))
+        divisor = gathered[5]
+        gathered[4][0] = total if divisor is None else total / divisor
+        return self.recvbuf
 
     def _bind(self, top: int, least: int, out: np.ndarray) -> None:
         """The run's NumPy calls, bound once: keys, to words and back from words (plain, and
@@ -301,25 +383,19 @@ class ReproduciblePlan(_PlanBase):
         self._small = small
         self._to_words, self._capped, self._back, self._back_capped = (
             tuple(programs[name]) for name in ("to", "to capped", "back", "back capped"))
-        # one float64: Python floats, the same IEEE operations (see _run_scalar)
-        self._scalar = None
-        if size == 1 and fmt.words == 2:
-            self._scalar = (memoryview(self._top), memoryview(keys), memoryview(values),
-                            memoryview(words).cast("B").cast("d"), memoryview(out),
-                            int(top), scale, 1 / scale,
-                            float(self._nranks) if self._average else None)
 
     @property
     def nbytes(self) -> int:
         arrays = (self._shift, *self._own)
-        return self._inner.nbytes + self._keys_plan.nbytes + int(
+        keys = 0 if self._keys_plan is None else self._keys_plan.nbytes
+        return self._inner.nbytes + keys + int(
             np.add.reduce([a.nbytes for a in arrays]))
 
     def run(self, timeout: float | None = None) -> np.ndarray:
         """Sum every rank's values into the result, reproducibly; return the result buffer."""
         timeout, deadline = self._start(timeout)
-        if self._scalar is not None:
-            return self._run_scalar(deadline)
+        if self._gathered is not None:
+            return self._run_gathered(deadline)
         if not self._values.size:
             return self.recvbuf
         for call in self._key_calls:
@@ -358,46 +434,6 @@ class ReproduciblePlan(_PlanBase):
             out[specials] = found
         return self.recvbuf
 
-    def _run_scalar(self, deadline: float | None) -> np.ndarray:
-        """One float64 value: the NumPy program's operations on Python floats (IEEE doubles,
-        the same bits), without NumPy's cost per call."""
-        top_bits, keys, values = self._scalar[:3]
-        x = values[0]  # before an in-place result overwrites it
-        keys[0] = self.key()
-        self._keys_plan.run(_left(deadline))
-        return self._scalar_sum(x, deadline)
-
-    def key(self) -> int:
-        """The key of a one-value plan's value now (what its argument check carries)."""
-        fmt = self._fmt
-        return (self._scalar[0][0] >> fmt.key_shift) & fmt.all_ones if self._scalar else 0
-
-    def run_carried(self, largest: int, timeout: float | None) -> np.ndarray:
-        """Run one value whose key's maximum came with the argument check over shared memory
-        (``Signature.carried``): one exchange fewer."""
-        timeout, deadline = self._start(timeout)
-        self._scalar[1][0] = largest
-        return self._scalar_sum(self._scalar[2][0], deadline)
-
-    def _scalar_sum(self, x: float, deadline: float | None) -> np.ndarray:
-        """The run of one value after its key's maximum is in ``_keys``; the NumPy program
-        where the key needs care (the same test as :meth:`_sum`, by one unit stricter on
-        overflow: Python's ``ldexp`` raises where NumPy's gives inf)."""
-        _, keys, _, words, out, top, scale, up, divisor = self._scalar
-        key = keys[0]
-        if key >= self._overflow_key or key < self._clamp_key:
-            return self._sum(deadline)
-        n = top - key
-        s = math.ldexp(x, n)
-        hi = math.copysign(float(math.trunc(s)), s)  # np.trunc, -0 kept
-        rest = (hi - s) * -scale
-        words[0] = hi
-        words[1] = math.copysign(float(math.trunc(rest)), rest)
-        self._inner.run(_left(deadline))
-        total = math.ldexp(words[1] * up + words[0], -n)
-        out[0] = total if divisor is None else total / divisor
-        return self.recvbuf
-
     def _specials(self) -> np.ndarray:
         """Words of elements with an inf or NaN contribution: the inf or NaN itself, else 0.
 
@@ -416,7 +452,8 @@ class ReproduciblePlan(_PlanBase):
         """Release the inner plans (idempotent)."""
         if not self._freed:
             self._inner.free()
-            self._keys_plan.free()
+            if self._keys_plan is not None:
+                self._keys_plan.free()
         super().free()
 
     def __repr__(self) -> str:
@@ -452,28 +489,38 @@ class _Agreed:
 
 
 class _Carry:
-    """What a one-shot call's argument check carries over shared memory: the key of a one-value
-    float64 call (0 otherwise), and after the check the largest rank's, or None (the check
-    ran as a collective, or did not run)."""
+    """What a one-shot call's argument check carries over shared memory (as the plan's
+    :meth:`ReproduciblePlan.carry_word` would): the bits of a one-value float64 call on at most
+    :data:`GATHER_RANKS` ranks (0 for other calls); after the check, every rank's (``words``),
+    or None (the check ran as a collective, or did not run)."""
 
     def __init__(self):
-        self.largest = None
+        self.words = None
 
     @staticmethod
     def word(agreed) -> int:
         call = agreed.call
-        if call.recv.size != 1 or call.recv.dtype != np.float64:
+        if call.recv.size != 1 or call.recv.dtype != np.float64 \
+                or call.comm.Get_size() > GATHER_RANKS:
             return 0
-        value = _float_view(call.recv if call.send is None else call.send)
-        fmt = FORMATS[value.dtype]
-        return (int(value.view(np.uint16)[fmt.top]) >> fmt.key_shift) & fmt.all_ones
+        return int(_float_view(call.recv if call.send is None else call.send).view(np.int64)[0])
 
 
 def _prepare(what, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params,
              carry=None):
     agreed = prepare(what, comm, check_args, lambda comm: _Agreed(_checked_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout, carry=carry)
+        sendbuf, recvbuf, op, comm, algorithm, topology, params)), timeout=timeout, carry=carry,
+        checks_itself=_checks_itself if what == "allreduce" else None)
     return agreed.call
+
+
+def _checks_itself(agreed, state) -> bool:
+    """Does this one-shot call's run check its arguments itself (``_plans.checks_itself``)?
+    One float64 on 2 to GATHER_RANKS ranks whose run is ``shm`` (see ``_init_gathered``)."""
+    call = agreed.call
+    return (call.recv.size == 1 and call.recv.dtype == np.float64
+            and 1 < state.private.Get_size() <= GATHER_RANKS
+            and _plans.checks_itself(call, state))
 
 
 class _Entry:
@@ -481,7 +528,7 @@ class _Entry:
     with its call's signature packed for the agreement check (see :mod:`._agree`)."""
 
     __slots__ = ("plan", "objects", "algorithm", "params", "dtype", "in_place", "nbytes", "state",
-                 "signatures")
+                 "signatures", "direct")
 
     def __init__(self, plan: ReproduciblePlan, objects: tuple, call, state):
         self.plan, self.objects, self.state = plan, objects, state
@@ -490,18 +537,25 @@ class _Entry:
         agreed = _Agreed(call)
         self.signatures = (Signature(agreed.signature(None)), Signature(agreed.signature(1.0)))
         self.nbytes = plan.nbytes
+        # a fused plan's shm run without deadline and without the plan's own checks (the
+        # cache drops the entry before its plan is freed or its communicator breaks)
+        self.direct = plan._inner.direct if plan.fused else None
 
     def run(self, check_args: bool, timeout: float | None) -> np.ndarray:
         """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
         whose call differs gets the same error as the others) and run."""
         plan = self.plan
-        if check_args:
+        if plan.fused:  # the run checks the arguments itself
+            if timeout is None:
+                self.direct()
+                return plan.recvbuf
+        elif check_args:
             state, signature = self.state, self.signatures[timeout is not None]
-            signature.shm[-1] = plan.key()  # carried where the check runs over shared memory
+            signature.shm[-1] = plan.carry_word()  # carried where the check runs over shm
             signature.carried = None
             agree(state.checker, "allreduce", signature, None, ALGORITHMS, timeout,
                   state.mark_broken)
-            if signature.carried is not None and plan._scalar is not None:
+            if signature.carried is not None and plan.carries:
                 return plan.run_carried(signature.carried, timeout)
         return plan.run(timeout)
 
@@ -554,8 +608,8 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
                              what="allreduce")
 
     def run():
-        if carry.largest is not None and bound._scalar is not None:
-            return bound.run_carried(carry.largest, timeout)
+        if carry.words is not None and bound.carries:
+            return bound.run_carried(carry.words, timeout)
         return bound.run(timeout)
 
     if key is not None and state.calls.put(

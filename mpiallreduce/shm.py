@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from .errors import CollectiveTimeout
 from .executor import ABANDONED, _PlanBase, flat, poll, wait_or_fail
-from .ops import DTYPES
+from .ops import DTYPES, exact_sum
 from .partition import block
 
 #: bytes of each rank's header: counter, then two signatures (call parity), padded to two
@@ -213,8 +213,9 @@ class Node:
         that runs a data call here instead (a call whose run checks itself, ``check=False``, a
         plan): it sees this check's signature and joins the exchange (:meth:`ShmPlan._mismatch`).
         The area's last word (padding in every signature) is carried, not compared: where the
-        signatures agree, ``signature.carried`` is the largest rank's (a reproducible sum of
-        one value sends its key there instead of a MAX of its own).
+        signatures agree, ``signature.carried`` is every rank's, in node rank order (a
+        reproducible sum of one value sends its value's bits or its key there instead of an
+        exchange of its own).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         epoch = self.claim()
@@ -235,9 +236,9 @@ class Node:
                 raise CollectiveTimeout(reason)
             mine = signature.shm[:-1]
             same = True
-            carried = 0
+            carried = []
             for theirs in self.signatures[parity]:
-                carried = max(carried, theirs[-1])
+                carried.append(theirs[-1])
                 if theirs[:-1] != mine:
                     same = False
             signature.carried = carried
@@ -484,15 +485,18 @@ class ShmPlan(_PlanBase):
     """
 
     algorithm = "shm"
+    #: one float64 SUM/AVG added up exactly (``exact=True``, reproducible sums)
+    _exact = False
     #: its node holds every rank of the communicator, so the signatures its runs compare
     #: (the agreement's fields folded in) check the whole call (``_plans.fused``)
     whole = True
 
     def __init__(self, node: Node | None, call, *, plan_id: int, timeout, state,
-                 agreement=None, disagree=None):
+                 agreement=None, disagree=None, exact: bool = False):
         super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
                          state=state)
         self._node = node
+        self._exact = exact
         self._label = "shm allreduce"
         # the argument-check fields of this call's runs without and with a timeout, and what
         # raises the agreement's message on every rank from them (see _mismatch)
@@ -612,9 +616,13 @@ class ShmPlan(_PlanBase):
                                                                                 "PROD"):
             return None
         out = memoryview(result).cast("B").cast("d")
-        first, *rest = [memoryview(slot).cast("B").cast("d") for slot in slots]
+        first, *rest = views = [memoryview(slot).cast("B").cast("d") for slot in slots]
         divisor = float(self._nranks) if self._average else None
-        if red.name == "PROD":
+        if self._exact:  # the correctly rounded sum, whatever the order (reproducible sums)
+            def reduce():
+                total = exact_sum([view[0] for view in views])
+                out[0] = total if divisor is None else total / divisor
+        elif red.name == "PROD":
             def reduce():
                 total = first[0]
                 for view in rest:
@@ -902,13 +910,14 @@ def _describe(name: str, value: int) -> str:
 
 
 def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
-          agreement=None, disagree=None) -> ShmPlan:
+          agreement=None, disagree=None, exact: bool = False) -> ShmPlan:
     """Bind an shm plan for ``call`` on a one-node communicator.
 
     Raises ValueError (on every rank alike: the topology is agreed) when the communicator spans
     several nodes. The window is made or grown here, from the call's agreed count and dtype.
     ``agreement``: the argument-check fields of a run without and with a timeout, folded into
     every run's signature; ``disagree(fields)`` raises the agreement's message on every rank.
+    ``exact``: a one-float64 SUM or AVG of several ranks, added up exactly (``ops.exact_sum``).
     """
     private = state.private
     nranks = private.Get_size()
@@ -925,8 +934,11 @@ def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but only {node.size} "
                          f"of {nranks} ranks share this one; use 'hierarchical' or 'cascade'")
     node.reserve(call.recv.nbytes, deadline, what)
+    if exact and (call.recv.size != 1 or call.recv.dtype != np.float64
+                  or call.reducer.name not in ("SUM", "AVG")):
+        raise ValueError("an exact shm plan sums one float64")
     return ShmPlan(node, call, plan_id=plan_id, timeout=timeout, state=state,
-                   agreement=agreement, disagree=disagree)
+                   agreement=agreement, disagree=disagree, exact=exact)
 
 
 def fits(call, state) -> bool:

@@ -200,29 +200,81 @@ def test_cached_calls_with_new_contents_at_every_count(in_place):
             assert np.array_equal(got, fsum_columns(comm, x)), (count, seed)
 
 
+def one_value_cases(rank: int, p: int) -> list[float]:
+    """This rank's contribution to each one-value case: special values, -0, subnormals, sums
+    near and past overflow, and spans wider than the vector program's 84 bits, where only an
+    exact sum rounds right (the first: 1 + 2**-51 on rank 0 and 2**-53 + 2**-105 on rank 1 sum
+    to just above a tie, which the 84-bit words cut to the tie and round to even: down)."""
+    last = rank == p - 1
+    big = float(np.finfo(np.float64).max)
+    cases = [(1 + 2.0 ** -51) if rank == 0 else (2.0 ** -53 + 2.0 ** -105 if rank == 1 else 0.0),
+             0.0, -0.0, -0.0 if rank else 0.0, 5e-324 * (rank + 1), -5e-324 if rank == 0 else 0.0,
+             math.inf if rank == 0 else 1.0, math.nan if last else 2.0,
+             math.inf if rank == 0 else (-math.inf if last else 1.0), big / 2,
+             -big if rank == 0 else big, big if rank < 2 else -big, 2.0 ** -1000,
+             1e-310 * (-1) ** rank, 2.0 ** 1000 * (-1) ** rank + 2.0 ** -1000 * (rank + 1)]
+    rng = np.random.default_rng([11, rank])
+    cases += list(rng.standard_normal(8) * np.exp2(rng.integers(-1000, 1000, 8)))
+    return cases
+
+
+def exact_rounded(column) -> float:
+    """IEEE addition's special values, else the exact sum rounded once (the reference)."""
+    if any(math.isnan(v) for v in column) or (math.inf in column and -math.inf in column):
+        return math.nan
+    if math.inf in column or -math.inf in column:
+        return math.inf if math.inf in column else -math.inf
+    if all(v == 0 for v in column):
+        return -0.0 if all(math.copysign(1, v) < 0 for v in column) else 0.0
+    return rounded(np.add.reduce([Fraction(v) for v in column], dtype=object), np.float64)
+
+
 @pytest.mark.parametrize("check", [True, False])
-def test_one_value_calls_match_the_vector_program(check):
-    """A one-element float64 call (Python floats; its key inside the argument check where the
-    check runs over shared memory) gives the bits of the same element in a vector call,
-    special values, -0, subnormals, capped units and near-overflow sums included."""
+def test_one_value_calls_are_correctly_rounded_on_every_path(check):
+    """One float64 on at most GATHER_RANKS ranks: the values themselves are gathered and
+    summed exactly, so every path gives the correctly rounded sum (special values as IEEE
+    addition gives them), bit for bit: every algorithm (shm reading the peers' slots, the
+    others gathering through a SUM with -0), the check carried over shared memory or not,
+    cached entries, fresh arrays, in place, plans, requests, AVG and the drop-in."""
     comm = MPI.COMM_WORLD
-    rank, last = comm.rank, comm.rank == comm.size - 1
-    big = np.finfo(np.float64).max
-    x = adversarial(rank, 16, "float64", seed=4, span=40)
-    x[:12] = [0.0, -0.0, 5e-324 * (rank + 1), -5e-324, np.inf if rank == 0 else 1.0,
-              np.nan if last else 2.0, big / 2, -big if rank == 0 else big, 2.0 ** -1000,
-              1e-310 * (-1) ** rank, 2.0 ** 1020, -(2.0 ** -1030)]
-    whole = mar.allreduce(x, np.empty_like(x), algorithm="ring", reproducible=True)
+    p = comm.size
+    cases = one_value_cases(comm.rank, p)
+    want = [exact_rounded(column) for column in zip(*comm.allgather(cases))]
     one, out = np.empty(1), np.empty(1)
-    for index in range(x.size):
-        for _ in range(2):  # bound, then the cached entry
-            one[0] = x[index]
-            got = mar.allreduce(one, out, reproducible=True, check=check)
-            assert bits(got) == bits(whole[index:index + 1]) or (
-                np.isnan(got[0]) and np.isnan(whole[index])), (index, got[0], whole[index])
-    avg = mar.allreduce(one, np.empty(1), op=mar.AVG, reproducible=True)
-    assert avg[0] == mar.allreduce(x[-1:], None, op=mar.AVG, algorithm="tree",
-                                   reproducible=True)[0]
+    drop_in = mar.Comm(comm, reproducible=True, check=check)
+    for algorithm in ["shm", "auto", "native", "ring", "recursive_doubling", "tree"]:
+        for index, (value, expected) in enumerate(zip(cases, want)):
+            got = []
+            for _ in range(2):  # bound, then the cached entry
+                one[0] = value
+                got.append(mar.allreduce(one, out, reproducible=True, check=check,
+                                         algorithm=algorithm)[0])
+            got.append(mar.allreduce(np.array([value]), None, reproducible=True,
+                                     check=check, algorithm=algorithm)[0])
+            one[0] = value
+            got.append(mar.allreduce(MPI.IN_PLACE, one, reproducible=True, check=check,
+                                     algorithm=algorithm)[0])
+            with mar.plan(np.array([value]), out, reproducible=True, check=check,
+                          algorithm=algorithm) as plan:
+                got.append(plan.run()[0])
+                got.append(plan.start().wait()[0])
+            got.append(mar.iallreduce(np.array([value]), out, reproducible=True, check=check,
+                                      algorithm=algorithm).wait()[0])
+            if algorithm == "auto":
+                drop_in.Allreduce(np.array([value]), out)
+                got.append(out[0])
+                request = drop_in.Allreduce_init(np.array([value]), out)
+                request.Start()
+                request.Wait()
+                request.Free()
+                got.append(out[0])
+            for result in got:
+                assert (math.isnan(result) and math.isnan(expected)) or (
+                    np.float64(result).tobytes() == np.float64(expected).tobytes()), (
+                    algorithm, index, value, result, expected)
+        avg = mar.allreduce(np.array([cases[0]]), None, op=mar.AVG, reproducible=True,
+                            check=check, algorithm=algorithm)[0]
+        assert avg == want[0] / p, algorithm
 
 
 @pytest.mark.mpi(min_size=2)
