@@ -7,21 +7,26 @@ float type once, identically on every rank.
 
 **Elementwise** (``allreduce(..., reproducible=True)``, :class:`ReproduciblePlan`): the unit is
 chosen per element from the largest exponent among its contributions, agreed with one
-``Allreduce(MAX)`` of 2 bytes per element (the biased exponent of each value). A float64
-element is held in 2 words of :func:`word_bits` ``= 42`` bits (84 bits below the top of the
-largest contribution's binade), a float32 one in 1 word (42 bits). The
-words are integer-valued float64: a sum of ``p`` of them stays below 2**52 (the width shrinks
-past 1023 ranks; at most :data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is refused:
-never a silent wrap), so every partial sum is exact and MPI's float SUM and the schedules'
-``np.add`` give the same words in any order, with no conversion between integers and floats on
-either side. Why two words and not three: the words are what the algorithm moves, so their
-bytes are the cost at large sizes (2x the data with 2 words, 3x with 3; docs/usage.md,
-"Reproducible sums"). Why not binned floating-point accumulators (ReproBLAS): merging bins of
-different exponents needs a user-defined combine, a Python callback in every step of every
-algorithm (and not MPI's optimised SUM), or a fixed grid of bins over the whole exponent range,
-~25 words per value. Where the words' sum runs on the shared-memory transport, the keys and
-words live in node-shared memory (:func:`_node_scratch`), so it reduces them in place, with no
-copy in or out.
+``Allreduce(MAX)`` of 2 bytes per element (each value's key: its biased exponent, with the sign
+in the lowest bit). A float64 element is held in 2 words with units ``2**(e_max - 42)`` and
+``2**(e_max - 84)`` (:func:`word_bits` ``= 42`` bits each below the top of the largest
+contribution's binade), a float32 one in 1 word (42 bits). A word is a float64 multiple of its
+unit below ``2**(e_max + 1)``: a sum of ``p`` of them stays within 53 bits of the unit (the
+width shrinks past 1023 ranks; at most :data:`MAX_CONTRIBUTIONS` ranks, a larger communicator is
+refused: never a silent wrap), so every partial sum is exact and MPI's float SUM and the
+schedules' ``np.add`` give the same words in any order. The words are made with rounding
+constants (``hi = (x + M) - M`` with ``M = 1.5 * 2**(e_max - 42 + 52)``, then the same on
+``x - hi``, both exact) and the result is ``HI + LO``: one rounding, no scaling back. Why two
+words and not three: the words are what the algorithm moves, so their bytes are the cost at
+large sizes (2x the data with 2 words, 3x with 3; docs/usage.md, "Reproducible sums"). Why not
+binned floating-point accumulators (ReproBLAS): merging bins of different exponents needs a
+user-defined combine, a Python callback in every step of every algorithm (and not MPI's
+optimised SUM), or a fixed grid of bins over the whole exponent range, ~25 words per value.
+Where the words' sum runs on the shared-memory transport, the keys and words live in
+node-shared memory (:func:`_node_scratch`), so it reduces them in place, with no copy in or
+out. One or two ranks need none of this (:data:`PAIR_RANKS`: two contributions are added once,
+in either order alike), and one float64 value on at most :data:`GATHER_RANKS` ranks is summed
+exactly from the gathered values.
 
 **Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): one unit for the whole global
 vector, from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
@@ -33,9 +38,10 @@ Accuracy (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, 
 ``e_max - 42`` for float32 elementwise): a contribution that is a multiple of ``2**u`` (every
 one of magnitude at least ``2**(e_max-32)``; float32 elementwise ``2**(e_max-19)``) is
 converted exactly, and if all are, the result is the correctly rounded sum (``math.fsum``).
-Otherwise each contribution is rounded toward zero (elementwise) or to nearest (vectors) to a
-multiple of ``2**u``: the error is below ``count * 2**u`` (vectors ``count * 2**(u-1)``) plus
-half an ulp of the result. Special values follow IEEE addition: a NaN anywhere gives NaN, +inf
+Otherwise each contribution is rounded to nearest to a multiple of ``2**u``: the error is at
+most ``count * 2**(u-1)`` plus half an ulp of the result. At one or two ranks, and for one
+float64 value on at most GATHER_RANKS ranks, the result is the correctly rounded sum always.
+Special values follow IEEE addition: a NaN anywhere gives NaN, +inf
 with -inf gives NaN, infinities of one sign give that infinity, a true sum beyond the largest
 float gives an infinity of its sign, and -0 only when every contribution is -0. NaN results are
 the default quiet NaN (payloads are not kept).
@@ -77,17 +83,21 @@ class _Format:
         self.dtype = np.dtype(dtype)
         self.words = words
         self.mantissa = mantissa  # significant bits, the hidden one included
-        self.all_ones = (1 << exponent_bits) - 1  # biased exponent of inf and NaN
-        self.bias = (1 << (exponent_bits - 1)) - 2  # |x| < 2**(b - bias) for biased exponent b
         self.min_unit = min_unit  # the subnormal spacing: every value is a multiple of it
         self.max_exponent = 1 << (exponent_bits - 1)  # 2**max_exponent overflows
-        # key = the biased exponent b (all ones: inf and NaN), from the top 16 bits
-        self.key_shift = 15 - exponent_bits
+        self.all_ones = (1 << exponent_bits) - 1  # biased exponent of inf and NaN
+        self.bias = (1 << (exponent_bits - 1)) - 2  # |x| < 2**(b - bias) for biased exponent b
+        # key = the top 16 bits rotated left by one with the sign bit inverted: the biased
+        # exponent b in its top bits (so a MAX of keys is a MAX of exponents), then the leading
+        # fraction bits, then "not negative"; b = key >> key_shift
+        self.key_shift = 16 - exponent_bits
         self.top = self.dtype.itemsize // 2 - 1 if sys.byteorder == "little" else 0
 
 
 FORMATS = {np.dtype(np.float64): _Format(np.float64, 2, 53, 11, -1074),
            np.dtype(np.float32): _Format(np.float32, 1, 24, 8, -149)}
+#: index of a float64's top 16 bits among its four
+_TOP64 = FORMATS[np.dtype(np.float64)].top
 _WORLD = MPI.COMM_WORLD
 _REAL = {np.dtype(np.complex128): np.dtype(np.float64),
          np.dtype(np.complex64): np.dtype(np.float32)}
@@ -147,14 +157,28 @@ BLOCK = 1 << 15
 _TABLES: dict = {}
 
 
-def _scale_tables(top: int, least: int, keys: int) -> np.ndarray:
-    """``n = min(top - b, least)`` and ``-n`` for every key ``b`` below ``keys``: rows."""
-    found = _TABLES.get((top, least, keys))
+def _magic_table(fmt: _Format, bits: int) -> np.ndarray:
+    """The top word's rounding constant ``M = 1.5 * 2**(e_max - bits + 52)`` (float64) for
+    every key (``e_max = b - bias``); inf where it overflows (those keys take another way)."""
+    found = _TABLES.get((fmt.dtype, bits))
     if found is None:
-        scale = np.minimum(top - np.arange(keys, dtype=np.int32), least).astype(np.int32)
-        found = _TABLES[top, least, keys] = np.stack([scale, -scale])
+        biased = np.arange(1 << 16) >> fmt.key_shift
+        with np.errstate(over="ignore"):
+            found = np.ldexp(1.5, biased - fmt.bias - bits + 52)
+        _TABLES[fmt.dtype, bits] = found
     return found
 
+
+#: most ranks for which an elementwise sum is the requested algorithm's own SUM, unconverted
+#: (see ``ReproduciblePlan._init_pair``): two contributions are added once, in either order
+#: with the same bits. Only a measurement of the conversion at 2 ranks sets it lower
+#: (``scripts/reproducible_cost.py --convert``).
+PAIR_RANKS = 2
+
+#: the power of two by which the values of float64 elements near the top of the range are scaled
+#: down before the conversion (and the results up after it), so that the constants and the
+#: words' sum cannot overflow
+OVERFLOW_SCALE = 128
 
 #: node -> the node-shared scratch of reproducible plans (see _node_scratch)
 _SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -185,15 +209,17 @@ def _node_scratch(state, nbytes: int, deadline: float | None, what: str) -> shm.
 class ReproduciblePlan(_PlanBase):
     """An elementwise SUM/AVG whose result bits do not depend on the algorithm or rank order.
 
-    A run: the biased exponent of each value (the key), an ``Allreduce(MAX)`` of the keys in
-    place, each value scaled by ``2**n`` from its element's key and cut into words
-    (``hi = trunc(s)``, then the next ``word_bits`` bits, truncated: rounded toward zero, and a
-    zero low word is -0 so that -0 survives), the words summed by ``inner`` (the plan of the
-    requested algorithm, float64 SUM of integers below 2**52: exact), then ``hi + lo * 2**-bits``
-    (the one rounding) scaled back. Every step is a flat program of NumPy calls bound here, in
-    blocks of :data:`BLOCK` elements; a run allocates only for elements with an inf or NaN
-    contribution. Keys that need care (inf or NaN, a sum that may overflow, an element whose
-    unit is the subnormal spacing) are seen in the keys' maximum and minimum.
+    A run: each value's key (its biased exponent b, then its leading fraction bits, then "not
+    negative"), an ``Allreduce(MAX)`` of the keys in place, each value cut into words with its
+    element's rounding constant ``M`` (float64 ``hi = (x + M) - M``, ``lo = ((x - hi) + m) - m``
+    with ``m = M * 2**-bits``: each rounded to nearest, exact), the words summed by ``inner``
+    (the plan of the requested algorithm, a float64 SUM of multiples of one unit that stays
+    exact), then ``HI + LO`` (the one rounding). Every step is a flat program of NumPy calls
+    bound here, in blocks of :data:`BLOCK` elements (``M``'s top 16 bits written from the keys);
+    a run allocates only for elements that need care, seen in the keys' maximum and minimum: an
+    inf or NaN contribution, float64 keys near the top of the range (scaled by
+    ``2**-OVERFLOW_SCALE`` first), and keys of 0 (every contribution -0 or a negative
+    subnormal: the result is -0 if it is 0).
     """
 
     #: its run checks the call's arguments itself (a one-value plan on shm, see
@@ -217,19 +243,20 @@ class ReproduciblePlan(_PlanBase):
         self._values = values
         self._out = out = _float_view(call.recv)
         self._top = values.view(np.uint16)[fmt.top::values.itemsize // 2]
-        # a value is scaled by 2**n, n = -(u + offset): to the top word's units, where
-        # u = max(e_max - words * bits, min_unit) and e_max = b - bias (b: its element's key)
-        offset = bits if fmt.words > 1 else 0
-        top = fmt.bias + fmt.words * bits - offset
-        least = -fmt.min_unit - offset
-        self._clamp_key = top - least  # keys below: u is the subnormal spacing
-        # keys above: the sum may overflow (|sum| < p * 2**e_max)
-        self._overflow_key = fmt.max_exponent + fmt.bias - nranks.bit_length()
+        # M = 1.5 * 2**(e_max - bits + 52) rounds a value below 2**e_max to the top word's unit
+        # 2**(e_max - bits) in (x + M) - M; as a float64 its biased exponent is b + magic
+        self._magic = 1075 - fmt.bias - bits
+        # keys whose b is above: M overflows, or the top words' sum may (|sum| <= p * 2**e_max)
+        self._overflow_key = (min(2046 - self._magic, 2045 - nranks.bit_length())
+                              if fmt.words == 2 else fmt.all_ones - 1)
         words_call = replace(call, send=None, recv=np.empty(0), reducer=reducer(MPI.SUM,
                                                                                 np.float64))
-        self._gathered = None
+        self._gathered = self._pair = None
         if size == 1 and fmt.words == 2 and nranks <= GATHER_RANKS:
             self._init_gathered(call, words_call, state, explicit, timeout, deadline, what)
+            return
+        if nranks <= PAIR_RANKS:
+            self._init_pair(call, state, explicit, timeout, deadline, what)
             return
         words_bytes = fmt.words * size * 8
         # in node-shared memory where shm sums them: no copy in or out, so at any size
@@ -245,8 +272,9 @@ class ReproduciblePlan(_PlanBase):
         else:
             self._keys = np.empty(size, np.uint16)
             self._words = np.empty((fmt.words, size), np.float64)
-        # n = -(u + offset) per value, and -n: per block (in cache); small runs: both at once
-        self._shift = np.empty((2, min(size, max(BLOCK, SMALL))), np.int32)
+        # per block (in cache): M, the low word's M, the keys' sign bits and M's top 16 bits
+        block = min(size, max(BLOCK, SMALL))
+        self._block = (np.zeros(block), np.empty(block), np.empty(block, np.uint16))
         self._own = () if pooled else (self._keys, self._words)
         keys_call = replace(call, send=None, recv=self._keys, algorithm="auto", params={},
                             reducer=reducer(MPI.MAX, np.uint16))
@@ -256,7 +284,7 @@ class ReproduciblePlan(_PlanBase):
                                    explicit=explicit, persistent=True, timeout=None,
                                    deadline=deadline, what=what, shared=pooled)
         super().__init__(private, call.send, call.recv, call.reducer, timeout=timeout, state=state)
-        self._bind(top, least, out)
+        self._bind(out)
 
     def _init_gathered(self, call, words_call, state, explicit: bool, timeout: float | None,
                        deadline: float | None, what: str) -> None:
@@ -270,7 +298,7 @@ class ReproduciblePlan(_PlanBase):
         self._keys_plan = None
         self._words = np.full(nranks, -0.0)
         self._own = (self._words,)
-        self._shift = np.empty(0, np.int32)
+        self._block = ()
         self.fused = nranks > 1 and _plans.resolve(call, nranks, state, deadline, what) == "shm"
         if self.fused:  # shm: the run reads the peers' values where they wrote them, and checks
             # the arguments itself (its signature, reproducible marked, folds the check's in)
@@ -288,6 +316,36 @@ class ReproduciblePlan(_PlanBase):
                           float(nranks) if self._average else None,
                           memoryview(self._values.view(np.int64)),
                           struct.Struct(f"={nranks}q").pack, struct.Struct(f"={nranks}d").unpack)
+
+    def _init_pair(self, call, state, explicit: bool, timeout: float | None,
+                   deadline: float | None, what: str) -> None:
+        """One or two ranks: IEEE addition is commutative and every algorithm adds each element
+        of two contributions once (``a + b`` or ``b + a``: the same bits), so the requested
+        algorithm's own SUM is reproducible as it is, and correctly rounded: no conversion.
+        A run then makes NaN results the default quiet NaN (which payload ``NaN + NaN`` keeps
+        depends on the order) and divides for AVG after the sum."""
+        self._keys_plan = None
+        self._block = self._own = ()
+        self._inner = _plans.build(replace(call, reducer=reducer(MPI.SUM, call.recv.dtype)),
+                                   state, explicit=explicit, persistent=True, timeout=None,
+                                   deadline=deadline, what=what)
+        super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
+                         state=state)
+        self._pair = (np.array(float(self._nranks)) if self._average and self._nranks > 1
+                      else None,)
+
+    def _run_pair(self, deadline: float | None) -> np.ndarray:
+        """The run on one or two ranks (see :meth:`_init_pair`)."""
+        with np.errstate(over="ignore", invalid="ignore"):  # as IEEE addition: inf, NaN
+            self._inner.run(_left(deadline))
+            total = np.add.reduce(self._out)  # NaN if any element is: one pass finds them
+        out = self._out
+        if total != total:
+            out[np.isnan(out)] = np.nan
+        divisor = self._pair[0]
+        if divisor is not None:
+            np.divide(out, divisor, out)
+        return self.recvbuf
 
     def _run_gathered(self, deadline: float | None) -> np.ndarray:
         """The run of a one-value plan that gathers (see :meth:`_init_gathered`)."""
@@ -322,71 +380,60 @@ class ReproduciblePlan(_PlanBase):
         gathered[4][0] = total if divisor is None else total / divisor
         return self.recvbuf
 
-    def _bind(self, top: int, least: int, out: np.ndarray) -> None:
-        """The run's NumPy calls, bound once: keys, to words and back from words (plain, and
-        with the unit capped at the subnormal spacing). Arguments are positional and constants
-        0-d arrays: NumPy's cost per call is what small runs pay."""
+    def _bind(self, out: np.ndarray) -> None:
+        """The run's NumPy calls, bound once: the keys, the words and back from the words.
+        Arguments are positional and constants 0-d arrays: NumPy's cost per call is what small
+        runs pay. Large runs go block by block (a block's arrays stay in cache)."""
         fmt, keys, words, values = self._fmt, self._keys, self._words, self._values
         size = values.size
         small = size <= SMALL
-        mask, key_shift = np.array(fmt.all_ones, np.uint16), np.array(fmt.key_shift, np.uint16)
-        # the biased exponents: a strided copy of the top 16 bits, then contiguous passes
-        # (faster than a strided one); small runs: two calls
-        self._key_calls = (() if small else (partial(np.copyto, keys, self._top),)) + (
-            partial(np.right_shift, keys if not small else self._top, key_shift, keys),
-            partial(np.bitwise_and, keys, mask, keys))
-        scale = 2.0 ** self._word_bits
-        down, up = np.array(-scale), np.array(1 / scale)
-        top, least = np.array(top, np.int32), np.array(least, np.int32)
-        programs: dict = {"to": [], "to capped": [], "back": [], "back capped": []}
-        if small:  # n = -(u + offset) and -n from one table, the cap included
-            table = _scale_tables(int(top), int(least), fmt.all_ones + 1)
-            units = [partial(table.take, keys, 1, self._shift, "clip")]
-            programs["to"] = programs["to capped"] = units
+        u16 = np.uint16
+        one, fifteen = np.array(1, u16), np.array(15, u16)
+        m1, m2, signs = self._block
+        m1_top = m1.view(u16)[_TOP64::4]  # M's top 16 bits (the rest stay 0)
+        # M's top 16 bits from a key: the biased exponent b + magic, then the fraction's 1 (1.5)
+        to_top = (np.array(fmt.key_shift - 4, u16), np.array(0xFFF0, u16),
+                  np.array((self._magic << 4) | 8, u16))
+        down = np.array(2.0 ** -self._word_bits)  # the low word's M: M * 2**-bits
+        key_calls, to_words = [], []
+        if small:  # M of every key from a table: one call
+            to_words.append(partial(_magic_table(fmt, self._word_bits).take, keys, 0,
+                                    m1[:size], "clip"))
         for start in [0] if small else range(0, size, BLOCK):
             stop = size if small else min(start + BLOCK, size)
-            key, x, y = keys[start:stop], values[start:stop], out[start:stop]
-            if small:
-                n, minus = self._shift
-                back = back_capped = []
-            else:  # per block, in cache: n, then -n
-                n = minus = self._shift[0, :stop - start]
-                units = [partial(np.subtract, top, key, n)]
-                programs["to"] += units
-                programs["to capped"] += units + [partial(np.minimum, n, least, out=n)]
-                back = [partial(np.subtract, key, top, n)]
-                back_capped = back + [partial(np.maximum, n, -least, out=n)]
-            if fmt.words == 1:
-                hi = words[0][start:stop]
-                # in float64: exact for float32 input, no float32 underflow
-                convert = [partial(np.ldexp, x, n, out=hi, dtype=np.float64),
-                           partial(np.trunc, hi, hi)]
-                restore = [partial(np.ldexp, hi, minus, y)]  # exact, then rounded to float32
-            else:
-                hi, lo = words[0][start:stop], words[1][start:stop]
-                convert = [partial(np.ldexp, x, n, lo),  # s = x * 2**n, |s| < 2**bits
-                           partial(np.trunc, lo, hi),  # hi = trunc(s)
-                           partial(np.subtract, hi, lo, lo),  # hi - s, exact
-                           partial(np.multiply, lo, down, lo),  # the next bits, 0 as -0
-                           partial(np.trunc, lo, lo)]
-                restore = [partial(np.multiply, lo, up, lo),
-                           partial(np.add, lo, hi, lo),  # the one rounding
-                           partial(np.ldexp, lo, minus, y)]  # exact, or inf past the range
-            programs["to"] += convert
-            programs["to capped"] += convert
-            programs["back"] += back + restore
-            programs["back capped"] += back_capped + restore
+            key, top, x = keys[start:stop], self._top[start:stop], values[start:stop]
+            sign, a, b = signs[:stop - start], m1[:stop - start], m2[:stop - start]
+            # key = (top << 1) | (~top >> 15): the strided top bits read once (large runs)
+            source = top if small else key
+            key_calls += ([] if small else [partial(np.copyto, key, top)]) + [
+                partial(np.invert, source, sign), partial(np.right_shift, sign, fifteen, sign),
+                partial(np.left_shift, source, one, key), partial(np.bitwise_or, key, sign, key)]
+            if not small:  # M per block: its top 16 bits from the key, a strided write
+                to_words += [partial(np.right_shift, key, to_top[0], sign),
+                             partial(np.bitwise_and, sign, to_top[1], sign),
+                             partial(np.add, sign, to_top[2], sign),
+                             partial(np.copyto, m1_top[:stop - start], sign)]
+            hi = words[0][start:stop]
+            to_words += [partial(np.add, x, a, hi),  # x + M: rounded to the top word's unit
+                         partial(np.subtract, hi, a, hi)]  # hi, exact
+            if fmt.words == 2:
+                lo = words[1][start:stop]
+                to_words += [partial(np.subtract, x, hi, lo),  # x - hi, exact
+                             partial(np.multiply, a, down, b),
+                             partial(np.add, lo, b, lo),  # rounded to the low word's unit
+                             partial(np.subtract, lo, b, lo)]
+        if fmt.words == 2:
+            back = [partial(np.add, words[0], words[1], out)]  # the one rounding
+        else:
+            back = [partial(np.copyto, out, words[0], "same_kind")]  # float32: the one rounding
         if self._average:
-            for name in ("back", "back capped"):
-                programs[name].append(partial(np.divide, out, np.array(float(self._nranks)),
-                                              out))
+            back.append(partial(np.divide, out, np.array(float(self._nranks)), out))
         self._small = small
-        self._to_words, self._capped, self._back, self._back_capped = (
-            tuple(programs[name]) for name in ("to", "to capped", "back", "back capped"))
+        self._key_calls, self._to_words, self._back = tuple(key_calls), tuple(to_words), back
 
     @property
     def nbytes(self) -> int:
-        arrays = (self._shift, *self._own)
+        arrays = (*self._block, *self._own)
         keys = 0 if self._keys_plan is None else self._keys_plan.nbytes
         return self._inner.nbytes + keys + int(
             np.add.reduce([a.nbytes for a in arrays]))
@@ -396,6 +443,8 @@ class ReproduciblePlan(_PlanBase):
         timeout, deadline = self._start(timeout)
         if self._gathered is not None:
             return self._run_gathered(deadline)
+        if self._pair is not None:
+            return self._run_pair(deadline)
         if not self._values.size:
             return self.recvbuf
         for call in self._key_calls:
@@ -408,45 +457,72 @@ class ReproduciblePlan(_PlanBase):
     def _sum(self, deadline: float | None) -> np.ndarray:
         """The run after the keys' maxima are in ``_keys``."""
         keys = self._keys
-        largest = int(np.maximum.reduce(keys))
-        if largest <= self._overflow_key and (
-                self._small or int(np.minimum.reduce(keys)) >= self._clamp_key):
+        largest, smallest = int(np.maximum.reduce(keys)), int(np.minimum.reduce(keys))
+        shift = self._fmt.key_shift
+        if largest >> shift <= self._overflow_key and smallest:
             for call in self._to_words:
                 call()
             self._inner.run(_left(deadline))
-            for call in self._back:
+            for call in self._back[:1]:
                 call()
-            return self.recvbuf
-        # the unit capped at the subnormal spacing, an inf or NaN, or a sum that may overflow
-        special = largest == self._fmt.all_ones
-        with np.errstate(over="ignore", invalid="ignore"):
-            for call in self._capped:
-                call()
-            if special:
-                specials = self._specials()
-            self._inner.run(_left(deadline))  # inf - inf in a combine: NaN, as IEEE says
-            for call in self._back_capped:
-                call()
-        if special:  # one NaN for every NaN (x86's inf - inf is another)
-            out = self._out
+        else:  # an inf or NaN, a sum that may overflow, or every contribution -0 or negative tiny
+            with np.errstate(over="ignore", invalid="ignore"):
+                for call in self._to_words:
+                    call()
+                fixed = self._fix_words(largest)
+                self._inner.run(_left(deadline))  # inf - inf in a combine: NaN, as IEEE says
+                for call in self._back[:1]:
+                    call()
+            self._fix_results(fixed, smallest)
+        for call in self._back[1:]:
+            call()
+        return self.recvbuf
+
+    def _fix_words(self, largest: int) -> tuple:
+        """Words of the elements the plain program does not cover (elementwise: each depends on
+        its own key and contributions only): an inf or NaN contribution (the words are the inf
+        or NaN itself, else 0: a float64 SUM then gives what IEEE addition gives in any order)
+        and float64 keys above ``_overflow_key`` (the same program on the values scaled by
+        ``2**-OVERFLOW_SCALE``, exact there). Returns the two sets of indices."""
+        fmt, keys, words, values = self._fmt, self._keys, self._words, self._values
+        shift = fmt.key_shift
+        specials = scaled = None
+        if largest >> shift == fmt.all_ones:
+            specials = np.flatnonzero(keys >> shift == fmt.all_ones)
+            found = values[specials].astype(np.float64)
+            found[np.isfinite(found)] = 0.0
+            found[np.isnan(found)] = np.nan  # one payload
+            words[:, specials] = 0.0
+            words[0][specials] = found
+        if fmt.words == 2 and largest >> shift > self._overflow_key:
+            b = keys >> shift
+            scaled = np.flatnonzero((b > self._overflow_key) & (b < fmt.all_ones))
+            x = np.ldexp(values[scaled], -OVERFLOW_SCALE)
+            m = np.ldexp(1.5, (b[scaled].astype(np.int32) - OVERFLOW_SCALE
+                               + self._magic - 1023))
+            hi = (x + m) - m
+            low = m * 2.0 ** -self._word_bits
+            words[0][scaled] = hi
+            words[1][scaled] = ((x - hi) + low) - low
+        return specials, scaled
+
+    def _fix_results(self, fixed: tuple, smallest: int) -> None:
+        """Results of the elements of :meth:`_fix_words`, and -0 where every contribution was
+        -0 (key 0: no contribution non-negative, none above the subnormal range's top bits:
+        the sum is 0 only if all were -0)."""
+        out = self._out
+        specials, scaled = fixed
+        if scaled is not None and scaled.size:
+            with np.errstate(over="ignore"):
+                out[scaled] = np.ldexp(self._words[0][scaled] + self._words[1][scaled],
+                                       OVERFLOW_SCALE)
+        if specials is not None:  # one NaN for every NaN (x86's inf - inf is another)
             found = out[specials]
             found[np.isnan(found)] = np.nan
             out[specials] = found
-        return self.recvbuf
-
-    def _specials(self) -> np.ndarray:
-        """Words of elements with an inf or NaN contribution: the inf or NaN itself, else 0.
-
-        Float64 SUM then gives what IEEE addition gives in any order: NaN with any NaN or with
-        both infinities, else the infinity present.
-        """
-        specials = np.flatnonzero(self._keys == self._fmt.all_ones)
-        values = self._values[specials].astype(np.float64)
-        values[np.isfinite(values)] = 0.0
-        values[np.isnan(values)] = np.nan  # one payload
-        self._words[:, specials] = 0.0
-        self._words[0][specials] = values
-        return specials
+        if smallest == 0:
+            zero = np.flatnonzero(self._keys == 0)
+            out[zero[out[zero] == 0]] = -0.0
 
     def free(self) -> None:
         """Release the inner plans (idempotent)."""

@@ -2,7 +2,7 @@
 ``mar.dot`` against ``comm.allreduce(np.dot(x, y))``, medians of interleaved runs.
 
     mpirun -n 2 python -m mpi4py scripts/reproducible_cost.py [--repeat 3] [--sizes 8 64K 8M]
-        [--algorithm auto] [--dot 1M]
+        [--algorithm auto] [--dot 1M] [--convert]
 
 Each row times both variants ``--repeat`` times, alternating (plain, reproducible, plain, ...);
 a round times enough calls one by one to last about 0.2 s and keeps the median call (the
@@ -81,11 +81,18 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["8", "64K", "8M"])
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--dot", default="1M", help="local elements of each vector for mar.dot")
+    parser.add_argument("--convert", action="store_true",
+                        help="convert to words at 1 or 2 ranks too (reproducible.PAIR_RANKS = 0),"
+                             " to measure the conversion where the plain SUM is already "
+                             "reproducible")
     args = parser.parse_args(argv)
+    if args.convert:
+        mar.reproducible.PAIR_RANKS = 0
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(comm.rank)
     lines = [f"# {comm.size} ranks, float64, medians of {args.repeat} interleaved runs "
-             f"(microseconds, median call; ratio median [min-max]; best: fastest calls)",
+             f"(microseconds, median call; ratio median [min-max]; best: fastest calls)"
+             + (" (converted at every rank count: --convert)" if args.convert else ""),
              f"# {'call':<32} {'without':>11} {'with':>11}  ratio [spread]   best"]
     for text in args.sizes:
         count = max(1, size_bytes(text) // 8)

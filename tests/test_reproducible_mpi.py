@@ -131,6 +131,28 @@ def test_same_bits_for_every_algorithm_and_rank_order(comm, dtype, op):
     assert np.array_equal(got, want), f"{np.flatnonzero(got != want)[:5]}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_ranks_sum_unconverted_with_the_bits_of_the_conversion(dtype, monkeypatch):
+    """At one or two ranks the elementwise sum is the algorithm's own SUM (two contributions
+    are added once, in either order alike); where every contribution fits the conversion's
+    words, the conversion (forced with PAIR_RANKS = 0) gives the same correctly rounded bits,
+    special values, -0 and AVG included. (At more ranks both runs convert.)"""
+    comm = MPI.COMM_WORLD
+    x = adversarial(comm.rank, 2 * comm.size + 301, dtype, seed=12)
+    real = x.view(REAL[dtype])
+    real[:6] = [np.nan if comm.rank == 0 else 1.0, -0.0, np.inf, 0.0 if comm.rank else -0.0,
+                np.finfo(real.dtype).max, np.finfo(real.dtype).smallest_subnormal]
+    for op in (MPI.SUM, mar.AVG):
+        plain = {name: bits(mar.allreduce(x, None, op=op, algorithm=name, reproducible=True))
+                 for name in ("native", "ring", "shm")}
+        monkeypatch.setattr(mar.reproducible, "PAIR_RANKS", 0)
+        converted = {name: bits(mar.allreduce(x, None, op=op, algorithm=name,
+                                              reproducible=True))
+                     for name in ("native", "ring", "shm")}
+        monkeypatch.undo()
+        assert len(set(plain.values()) | set(converted.values())) == 1, op
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 def test_plan_iallreduce_and_in_place_give_the_same_bits(in_place):
     comm = MPI.COMM_WORLD
