@@ -151,6 +151,8 @@ class CommState:
     stale: list = field(default_factory=list)
     kept: list = field(default_factory=list)
     native_nonblocking: MPI.Intracomm | None = None
+    #: reproducible vector sums' packed signatures and reused buffers (``reproducible``)
+    vectors: dict = field(default_factory=dict)
     slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
     next_slot: int = 1
 

@@ -877,38 +877,57 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
     if error is None and comm.Get_size() > MAX_CONTRIBUTIONS:
         error = ValueError(f"mar.{what} sums at most {MAX_CONTRIBUTIONS} ranks' totals (the "
                            f"words' headroom); this communicator has {comm.Get_size()} ranks")
-    fields = bad_signature()
-    if error is None:
-        fields = [0] * len(FIELDS)
-        fields[2] = DTYPES.index(np.dtype(dtype))
-        fields[3] = OP_NAMES.index("SUM")
-        fields[4] = ALGORITHMS.index(algorithm)
-        fields[6] = _KINDS.index(what) + 1
-    agree(state.checker, what, Signature(fields), error, ALGORITHMS)
+    cache = state.vectors  # signatures per call kind, buffers per size: reused calls are cheap
+    signature = None if error is not None else cache.get((what, np.dtype(dtype), algorithm))
+    if signature is None:
+        fields = bad_signature()
+        if error is None:
+            fields = [0] * len(FIELDS)
+            fields[2] = DTYPES.index(np.dtype(dtype))
+            fields[3] = OP_NAMES.index("SUM")
+            fields[4] = ALGORITHMS.index(algorithm)
+            fields[6] = _KINDS.index(what) + 1
+        signature = Signature(fields)
+        if error is None:
+            cache[what, np.dtype(dtype), algorithm] = signature
+    agree(state.checker, what, signature, error, ALGORITHMS)
     largest = max((term.size for terms in components for term in terms), default=0)
     buffer = np.empty(min(largest, LOCAL_CHUNK))
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
         stats = [_component_stats(terms, buffer) for terms in components]
     # always two components' fields (real and imaginary), so every rank sends the same count
     stats += [[_NO_EXPONENT, 0, 0, 0, 0, 0]] * (2 - len(stats))
-    packed = np.array([value for component in stats for value in component], np.int64)
-    agreed = np.empty_like(packed)
-    state.checker.Allreduce(packed, agreed, MPI.MAX)
-    agreed_stats = agreed.reshape(-1, _COMPONENT_FIELDS)[:len(components)]
-    units = [max(int(row[0]) - VECTOR_BITS, -1074) for row in agreed_stats]
+    agreed = _buffer(cache, "stats", 2 * _COMPONENT_FIELDS)
+    agreed[:] = [value for component in stats for value in component]
+    api.allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX, comm=comm, check=False)
+    flat_stats = agreed.tolist()  # Python ints from here: NumPy scalars cost a call each
+    agreed_stats = [flat_stats[k:k + _COMPONENT_FIELDS]
+                    for k in range(0, _COMPONENT_FIELDS * len(components), _COMPONENT_FIELDS)]
+    units = [max(row[0] - VECTOR_BITS, -1074) for row in agreed_stats]
     # a component with an inf or NaN anywhere is that special value: its total is not needed
     with np.errstate(over="ignore", invalid="ignore"):
-        totals = [0 if row[1:4].any() else _local_total(terms, unit, buffer)
+        totals = [0 if any(row[1:4]) else _local_total(terms, unit, buffer)
                   for terms, unit, row in zip(components, units, agreed_stats)]
-    words = np.array([w for total in totals for w in _words(total)], np.int64)
+    words = _buffer(cache, "words", VECTOR_WORDS * len(totals))
+    words[:] = [w for total in totals for w in _words(total)]
     api.allreduce(MPI.IN_PLACE, words, comm=comm, algorithm=algorithm, check=False)
+    summed = words.tolist()
     results = []
     for index, row in enumerate(agreed_stats):
         total = 0
-        for k, word in enumerate(words[index * VECTOR_WORDS:(index + 1) * VECTOR_WORDS]):
-            total += int(word) << (WORD_BITS * k)
-        results.append((total, units[index], *(int(v) for v in row[1:])))
+        for k, word in enumerate(summed[index * VECTOR_WORDS:(index + 1) * VECTOR_WORDS]):
+            total += word << (WORD_BITS * k)
+        results.append((total, units[index], *row[1:]))
     return results
+
+
+def _buffer(cache: dict, name: str, size: int) -> np.ndarray:
+    """An int64 buffer of ``size`` kept in the communicator's ``cache`` (the same array each
+    call, so its allreduce runs the call cache's plan)."""
+    found = cache.get((name, size))
+    if found is None:
+        found = cache[name, size] = np.zeros(size, np.int64)
+    return found
 
 
 def _value(result: tuple, fmt: _Format) -> float:
