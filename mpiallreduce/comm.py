@@ -40,7 +40,9 @@ from ._buffers import (
 from ._plans import fresh_arrays
 from ._requests import CommPrequest, CommRequest
 from .api import ALGORITHMS, allgather, allreduce, iallreduce, plan, reduce_scatter
+from .ops import native_deviates
 from .reproducible import covers
+from .select import persistent_native
 
 #: what the related collectives run for each allreduce algorithm: its own phases where it has
 #: them, else "auto" (which is MPI's collective today).
@@ -232,7 +234,10 @@ class Comm(MPI.Intracomm):
     def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM, info=MPI.INFO_NULL):
         """Make a persistent reduce to all (a bound :func:`mpiallreduce.plan`): Start, Wait, Free.
 
-        Algorithm ``"native"`` returns MPI's own persistent request.
+        Algorithm ``"native"`` returns MPI's own persistent request, and so does ``"auto"``
+        where it would run ``shm`` on a small message and MPI's request measured faster
+        (:func:`.select.persistent_native`; after the plan's argument check, so bad input
+        still raises on every rank).
         """
         if self._algorithm == "native":
             return super().Allreduce_init(sendbuf, recvbuf, op, info)
@@ -241,11 +246,27 @@ class Comm(MPI.Intracomm):
                                 "plan")
             if route is not None:
                 plain, send, recv = route
-                return CommPrequest(plan(MPI.IN_PLACE if send is None else send, recv, op,
-                                         plain, *self._args, **self._params_for(op, recv)))
+                params = self._params_for(op, recv)
+                bound = plan(MPI.IN_PLACE if send is None else send, recv, op, plain,
+                             *self._args, **params)
+                if self._native_persistent(bound, op, recv, params):
+                    bound.free()
+                    return super().Allreduce_init(sendbuf, recvbuf, op, info)
+                return CommPrequest(bound)
         except Unviewable as agreed:
             settle(agreed, None)
         return super().Allreduce_init(sendbuf, recvbuf, op, info)
+
+    def _native_persistent(self, bound, op, recv: np.ndarray, params: dict) -> bool:
+        """Should ``Allreduce_init`` hand back MPI's own request instead of ``bound``? Decided
+        from what every rank agreed: ``auto`` chose ``shm``, no timeout (MPI's request cannot
+        keep one), not reproducible, an MPI op whose native result is C's (not 8/16-bit sums
+        that Open MPI saturates), and a size where MPI's request measured faster."""
+        return (self._algorithm == "auto" and bound.algorithm == "shm"
+                and self._args[3] is None and not params.get("reproducible")
+                and isinstance(op, MPI.Op) and op != MPI.OP_NULL
+                and not native_deviates(bound.reducer.name, recv.dtype)
+                and persistent_native(self.Get_size(), recv.nbytes))
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
         """Reduce, then scatter equal blocks: rank r gets block r, as mpi4py's."""

@@ -85,6 +85,14 @@ SHM_OVERSUBSCRIBED_BYTES = 128 << 10
 #: (512 KiB: 5.72 and 8.55 with rounds from 1.4 to 9.7; at 1-2 MiB shm was ahead, 1.87 and
 #: 1.61 against 1.44 and 1.31). In place shm stays (2.13-1.30 against at most 1.18).
 ONE_NODE_OUT_OF_PLACE_RULES = ((2, 2, 16 << 10, 1 << 20, "recursive_doubling"),)
+#: (fewest ranks, most ranks, most bytes (exclusive)) where the drop-in's ``Allreduce_init``
+#: (``mar.Comm``, ``algorithm="auto"``) returns MPI's own persistent request instead of a plan
+#: whose run would be ``shm``: measured at 2 ranks (2026-12-01 22:55, scripts/call_cost.py,
+#: 3 runs, float32 SUM, Start + Wait, microseconds, MPI's persistent request against the
+#: shm plan's): 1.42 against 3.28 at 8 B, 1.81 against 3.19 at 1 KiB, 4.29 against 5.24 at
+#: 2 KiB, 12.49 against 6.71 at 4 KiB (Open MPI 5's persistent allreduce leaves its fast path
+#: there) and 14.4 against 9.3 at 8 KiB.
+PERSISTENT_NATIVE_RULES = ((2, 2, 4 << 10),)
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
 MODULAR_RING_BYTES = 1 << 16
@@ -148,6 +156,15 @@ def one_node_choice(nranks: int, nbytes: int, in_place: bool,
                                                           or nbytes < most):
             return "shm"
     return None
+
+
+def persistent_native(nranks: int, nbytes: int) -> bool:
+    """Does the drop-in's ``Allreduce_init`` return MPI's own request where ``auto`` would run
+    ``shm`` (:data:`PERSISTENT_NATIVE_RULES`)? Not where a tuning table covers ``nranks``."""
+    if nranks in tables():
+        return False
+    return any(low <= nranks <= high and nbytes < most
+               for low, high, most in PERSISTENT_NATIVE_RULES)
 
 
 def shm_fits(nranks: int, nbytes: int, in_place: bool = True) -> bool:

@@ -28,7 +28,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                "OMPI_MCA_osc": "^ucx"}  # as the Makefile: osc/ucx prints errors here
 
 
 def _mpirun() -> str:

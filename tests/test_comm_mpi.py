@@ -359,6 +359,45 @@ def test_allreduce_init_start_wait_free(base, algorithm):
     request.Free()
 
 
+def test_auto_allreduce_init_hands_small_shm_requests_to_mpi_and_keeps_the_rest():
+    """Where auto would run shm on a small message at 2 ranks, Allreduce_init returns MPI's own
+    persistent request (it measured faster there); elsewhere (larger messages, 8/16-bit sums
+    Open MPI saturates, a timeout, AVG) a plan. Every result matches comm.Allreduce, and bad
+    input still raises on every rank."""
+    world = MPI.COMM_WORLD
+    comm = mar.Comm(world)
+    cases = [(1, "float64", MPI.SUM), (100, "float32", MPI.MAX), (2 * world.size + 1, "int64",
+             MPI.SUM), (5000, "float64", MPI.SUM), (7, "int8", MPI.SUM)]
+    for count, dtype, op in cases:
+        x = contribution(world, count, dtype)
+        send, out = x.copy(), np.empty_like(x)
+        request = comm.Allreduce_init(send, out, op)
+        small = x.nbytes < 4096 and dtype != "int8"
+        is_mpi = not isinstance(request, mar.comm.CommPrequest)
+        if world.size == 2 and mar.select.one_node_choice(2, x.nbytes, False) == "shm":
+            assert is_mpi == small, (count, dtype)
+        elif world.size != 2:
+            assert not is_mpi, (count, dtype)
+        for round_ in range(2):
+            send[:] = x + round_
+            request.Start()
+            request.Wait()
+            if dtype == "int8":  # Open MPI's op/avx saturates 8-bit sums: NumPy's is C's
+                want = np.add.reduce(np.array(world.allgather(send)), axis=0, dtype=np.int8)
+                assert np.array_equal(out, want), (count, dtype)
+            else:
+                assert_matches_native(world, send, out, op)
+        request.Free()
+    timed = mar.Comm(world, timeout=30.0)
+    request = timed.Allreduce_init(np.ones(1), np.empty(1))
+    assert isinstance(request, mar.comm.CommPrequest)
+    request.Free()
+    if world.size > 1:
+        with pytest.raises(ValueError):  # the plan's check ran first: on every rank
+            count = 2 if world.rank == 0 else 1
+            comm.Allreduce_init(np.ones(count), np.empty(count))
+
+
 # -- the related collectives ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
