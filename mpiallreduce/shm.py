@@ -718,7 +718,10 @@ class ShmPlan(_PlanBase):
             return self.recvbuf
         if node.closed:
             raise ValueError("the communicator of this plan has been freed")
-        self._epoch(node, timeout, deadline)
+        if deadline is None:  # checked above: the bound run without deadline (0.4 us less)
+            self.direct()
+        else:
+            self._epoch(node, timeout, deadline)
         return self.recvbuf
 
     __call__ = run
