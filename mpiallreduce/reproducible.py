@@ -671,7 +671,7 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
                 and (entry.in_place or sendbuf.dtype is entry.dtype) \
                 and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
             return entry.run(check_args, timeout)
-    # a one-value call's key rides in the check, as a cached call's does (_Entry.run): ranks
+    # a one-value call's value rides in the check, as a cached call's does (_Entry.run): ranks
     # whose caches differ still run alike
     carry = _Carry()
     call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,

@@ -214,7 +214,7 @@ class Node:
         plan): it sees this check's signature and joins the exchange (:meth:`ShmPlan._mismatch`).
         The area's last word (padding in every signature) is carried, not compared: where the
         signatures agree, ``signature.carried`` is every rank's, in node rank order (a
-        reproducible sum of one value sends its value's bits or its key there instead of an
+        reproducible sum of one value sends its bits there instead of an
         exchange of its own).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
