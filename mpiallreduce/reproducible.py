@@ -260,7 +260,7 @@ class ReproduciblePlan(_PlanBase):
             return
         words_bytes = fmt.words * size * 8
         # in node-shared memory where shm sums them: no copy in or out, so at any size
-        pooled = (nranks > 1 and words_bytes > shm.SMALL_BYTES
+        pooled = (nranks > 1 and words_bytes > shm.small_bytes(nranks)
                   and _plans.resolve(replace(words_call, recv=np.empty(fmt.words * size)),
                                      nranks, state, deadline, what, shared=True) == "shm")
         if pooled:  # keys, then words, in the node's shared scratch

@@ -362,8 +362,8 @@ def test_allreduce_init_start_wait_free(base, algorithm):
 def test_auto_allreduce_init_hands_small_shm_requests_to_mpi_and_keeps_the_rest():
     """Where auto would run shm on a small message at 2 ranks, Allreduce_init returns MPI's own
     persistent request (it measured faster there); elsewhere (larger messages, 8/16-bit sums
-    where the MPI saturates them, as Open MPI does, a timeout) a plan. Every result matches comm.Allreduce, and bad
-    input still raises on every rank."""
+    where the MPI saturates them, as Open MPI does, a timeout) a plan. Every result matches
+    comm.Allreduce, and bad input still raises on every rank."""
     world = MPI.COMM_WORLD
     comm = mar.Comm(world)
     cases = [(1, "float64", MPI.SUM), (100, "float32", MPI.MAX), (2 * world.size + 1, "int64",

@@ -26,9 +26,10 @@ pytestmark = pytest.mark.mpi
 
 OPS = ["SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR"]
 DTYPES = ["int8", "uint16", "int32", "uint64", "float32", "float64", "complex128", "bool"]
-#: counts on both sides of the small regime's limit (float64), and one of several windows
-LARGE = [shm.SMALL_BYTES // 8 - 1, shm.SMALL_BYTES // 8 + 1, 3 * shm.SMALL_BYTES // 8 + 5,
-         300_007]
+#: counts on both sides of the small regime's limits (float64: at 2 ranks, elsewhere), and one
+#: of several windows
+LARGE = [shm.SMALL_BYTES // 8 - 1, shm.SMALL_BYTES // 8 + 1, shm.small_bytes(2) // 8 - 1,
+         shm.small_bytes(2) // 8 + 1, 300_007]
 
 
 def _defined(op: str, dtype: str) -> bool:

@@ -321,7 +321,7 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     """
     from mpi4py import MPI
 
-    from ..shm import SMALL_BYTES
+    from ..shm import small_bytes
 
     if comm.Get_size() < 2:
         raise ValueError("calibrate needs at least 2 ranks: mpirun -n 2 python -m mpi4py -m "
@@ -359,8 +359,9 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     across = split.node[0] != split.node[1]
     intra = DEFAULT_MACHINE.intra if across else measured
     inter = measured if across else (NETWORK_100G if inter is None else inter)
+    limit = small_bytes(comm.Get_size())  # the small regime's most bytes at this size
     shm = {} if across else {size: _shm_cost(comm, size, 100)
-                             for size in (8, SMALL_BYTES // 2, 2 * SMALL_BYTES)}
+                             for size in (8, limit // 2, 2 * limit)}
     node_curve = None if across else tuple(
         (size, _node_bandwidth(comm, size)) for size in rate_sizes if size < bandwidth_bytes)
     bandwidth = 0.0 if across else _node_bandwidth(comm, bandwidth_bytes)
@@ -392,7 +393,7 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     if all(shm.get(size) is not None for size in shm) and shm and split.nnodes == 1:
         # the small regime's fixed cost at 8 B, its per-byte read of the peers' slots from
         # 16 KiB, then the large regime's fixed cost at 64 KiB with that rate
-        nranks, half, large_size = comm.Get_size(), SMALL_BYTES // 2, 2 * SMALL_BYTES
+        nranks, half, large_size = comm.Get_size(), limit // 2, 2 * limit
         small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
         machine = replace(machine, shm_small=small)
         rest = shm[half] - predict("shm", nranks, half, split, machine).time

@@ -145,7 +145,7 @@ SHM = "shm"
 def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Prediction:
     """The shared-memory transport on one node (:mod:`mpiallreduce.shm`), by its regimes.
 
-    Small (up to ``SMALL_BYTES`` per rank): copy the input into the rank's slot, publish, wait
+    Small (up to ``small_bytes(p)`` per rank): copy the input into the rank's slot, publish, wait
     for every peer, then every rank combines all p slots into its result ((p-1) combines of
     the whole message). Large: copy in, publish and wait, combine this rank's block (1/p)
     across the p slots, copy it into the slot, publish and wait, copy the p-1 other blocks
@@ -155,7 +155,7 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     the calibrated seconds per call beyond the copies and combines (Python, counters, waits),
     ``shm_peer`` the seconds per byte read from the peers' freshly written slots.
     """
-    from ..shm import SMALL_BYTES
+    from ..shm import small_bytes
 
     if topology.nnodes > 1:
         raise ValueError("shm runs on one node only: predict it with all ranks on one node")
@@ -180,7 +180,7 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     if p == 1 or size == 0:
         time_ = copy(size) if not in_place else 0.0
         steps = 0
-    elif size <= SMALL_BYTES:
+    elif size <= small_bytes(p):
         time_ = (machine.shm_small + phase(copy(size), 2 * size)
                  + phase((p - 1) * (combine(size) + size * machine.shm_peer),
                          (2 * p - 1) * size))
