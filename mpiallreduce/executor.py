@@ -246,7 +246,7 @@ class Plan(_PlanBase):
         persistent = persistent or TRACER is not None  # a traced run is one flat program
         self._phase = _untraced  # the tracer's hook when bound while tracing (see .tracing)
         self._stepwise: tuple | None = None  # steps()'s program, bound on first use
-        self._lean: tuple | None = None  # start_lean's split of _fast, made on first use
+        self._lean: tuple | None = None  # lean_program's split of _fast, made on first use
         self._persistent = persistent
         self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
@@ -301,8 +301,8 @@ class Plan(_PlanBase):
         calls = [*phase("run", None, ()), *phase("load", None, self._first)]
         pending = ()
         startall, waitall = MPI.Prequest.Startall, MPI.Request.Waitall
-        self._posted = None  # where the first step's requests have been started (see start_lean)
-        self._first_requests = None  # what the first step waits on (see start_lean)
+        self._posted = None  # where the first step's requests have been started (see lean_program)
+        self._first_requests = None  # what the first step waits on (see lean_program)
         for before, requests, combines, defer, bound in self._program:
             calls += phase("copy", bound.index, before)
             if requests is None:
@@ -449,12 +449,13 @@ class Plan(_PlanBase):
                 self.expire(requests, bound, timeout)
         return self.recvbuf
 
-    def start_lean(self) -> tuple:
-        """Post the first step of a run without deadline (untraced, one step at least; not
-        freed, broken or running) and return ``(requests, rest)``: the first step's requests,
-        and the argument-free calls that complete the run from there (waited in the caller's
+    def lean_program(self) -> tuple:
+        """The split of a run without deadline (untraced, one step at least; not freed, broken
+        or running) that starts it lean: ``(program, head, rest, requests)``. Calling ``head``'s
+        argument-free calls loads the buffers and starts the first step, whose requests are
+        ``requests``; ``rest``'s calls complete the run from there (waited in the caller's
         thread when nothing else is in flight; else the run continues as
-        ``steps(posted=requests)``).
+        ``steps(posted=requests)``). Made once per flat program (``program``) and kept.
 
         A persistent plan's program is ``_fast``; a plan without persistent requests (an
         ``iallreduce``'s, which takes a new slot of tags per start) gets one made on first use
@@ -464,10 +465,9 @@ class Plan(_PlanBase):
         if lean is None or lean[0] is not fast:  # split once per flat program
             program = fast if fast is not None else self._flatten()
             posted = self._posted
-            lean = self._lean = (fast, program[:posted], program[posted:], self._first_requests)
-        for call in lean[1]:
-            call()
-        return lean[3], lean[2]
+            lean = self._lean = (fast, tuple(program[:posted]), tuple(program[posted:]),
+                                 self._first_requests)
+        return lean
 
     def _post_into(self, requests: list, bound: _BoundStep) -> None:
         """Post a step afresh with the tags of the run's slot into ``requests`` (cleared first:
@@ -483,7 +483,7 @@ class Plan(_PlanBase):
     def steps(self, posted: list | None = None):
         """Run once, step by step: yield each step's ``(requests, bound step)`` once posted.
 
-        ``posted``: :meth:`start_lean` has already loaded the buffers and started the first
+        ``posted``: the head of :meth:`lean_program` has already loaded the buffers and started the first
         step's requests, these; go on from there.
 
         The caller resumes the generator only when those requests have completed (waited,
