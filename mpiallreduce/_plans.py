@@ -403,16 +403,6 @@ def find(key: tuple) -> tuple:
         return None, None
 
 
-def fits(entry, sendbuf, recvbuf, timeout) -> bool:
-    """Whether a cached entry (found by its objects) serves a call with these arrays and this
-    timeout: the dtypes it was bound to (``x.dtype = ...`` since rebinds), the same shape out of
-    place, and a valid timeout (an invalid one goes the cold way, whose checks refuse it)."""
-    return (recvbuf.dtype is entry.dtype
-            and (entry.in_place or (sendbuf.dtype is entry.dtype
-                                    and sendbuf.shape == recvbuf.shape))
-            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)))
-
-
 def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:
     """Would :func:`._checks.allreduce_call` accept these arrays as they are (C-contiguous,
     writable result, same shape, not overlapping), given the dtype and size already match?"""

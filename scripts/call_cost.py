@@ -6,8 +6,13 @@
 For every rank count and size, runs ``python -m mpiallreduce.bench --api plan,call,...`` (every
 call mode: plan, one-shot call with and without check, start, iallreduce, the drop-in's
 Allreduce with and without check and its Allreduce_init)
-``--repeat`` times under mpirun (a fresh job each time) and prints, per row, the median over the
-repeats of its time / ``comm.Allreduce``'s time in the same run, with the spread (min-max).
+``--repeat`` times under mpirun (a fresh job each time; each job measures ``--rounds`` rounds
+with every row interleaved, the bench's ``--repeat``, and reports each row's median) and
+prints, per row, the median over the repeats of its time / ``comm.Allreduce``'s time in the same
+run, with the spread (min-max). Then the ratios the non-blocking issue sets targets for, each
+row over its reference in the same job (median [min-max] over the repeats): ``start`` over
+``plan``, ``iallreduce`` over ``call``, the drop-in's ``comm`` over ``call`` (and without
+check), and ``comm-init`` over plain ``comm.Allreduce_init``.
 ``--trace`` runs the bench with ``--trace`` (its timed schedule runs recorded, the file
 discarded): the cost of tracing, against the same untraced reference.
 Needs the venv's mpirun (or one on PATH); sets Open MPI's variables for root and
@@ -37,8 +42,24 @@ def _mpirun() -> str:
     return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")
 
 
+#: (row, reference row, target): the issue's ratios at 8 bytes, the row's ``/api`` suffix over
+#: the reference's (``plan`` is the bare algorithm's row); the target for native and shared
+#: memory first, for schedules second (None: no target, not printed; the drop-in's own
+#: Allreduce_init is the default ``mar.Comm``'s)
+PAIRS = (("start", "plan", (1.5, 2.0)), ("iallreduce", "call", (1.5, 2.0)),
+         ("comm", "call", (1.3, 1.3)), ("comm-nocheck", "call-nocheck", (1.3, 1.3)),
+         ("comm-init", "comm.Allreduce_init", (1.5, None)))
+#: algorithms whose runs are MPI's own collective or the shared-memory transport
+NATIVE_OR_SHM = ("native", "auto", "shm")
+
+
+def _row(rows: list[dict], algorithm: str, api: str) -> float | None:
+    label = api if api.startswith("comm.") else (algorithm if api == "plan" else f"{algorithm}/{api}")
+    return next((r["avg_us"] for r in rows if r["algorithm"] == label), None)
+
+
 def bench(ranks: int, size: str, algorithms: str, iterations: int | None, apis: str,
-          trace: bool = False) -> list[dict]:
+          trace: bool = False, rounds: int = 1) -> list[dict]:
     """Run the bench once; return its rows."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rows.json")
@@ -49,6 +70,8 @@ def bench(ranks: int, size: str, algorithms: str, iterations: int | None, apis: 
             command += ["--iterations", str(iterations)]
         if trace:
             command += ["--trace", os.path.join(folder, "trace.json")]
+        if rounds > 1:
+            command += ["--repeat", str(rounds)]
         env = {**os.environ, **OPEN_MPI_ENV}
         subprocess.run(command, check=True, env=env, cwd=ROOT, timeout=900)
         with open(out) as f:
@@ -62,21 +85,23 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--algorithms", default="native,auto,recursive_doubling")
     parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds per job (the bench's --repeat; default 3)")
     parser.add_argument("--api", default="plan,call,call-nocheck,start,iallreduce,comm,comm-nocheck,"
                                          "comm-init",
                         help="the bench's --api modes to time (default: all of them)")
     parser.add_argument("--trace", action="store_true",
                         help="trace the timed runs (bench --trace): what tracing costs")
     args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.rounds < 1:
+        parser.error("--repeat and --rounds must be at least 1")
     print(f"# time / comm.Allreduce (same run), median [min-max] of {args.repeat} runs"
           + (", schedules traced (bench --trace)" if args.trace else ""))
     print(f"# {'ranks':>5} {'size':>6} {'row':<34} {'ratio':>7}  spread          median us")
     for ranks in args.ranks:
         for size in args.sizes:
-            runs = [bench(ranks, size, args.algorithms, args.iterations, args.api, args.trace)
-                    for _ in range(args.repeat)]
+            runs = [bench(ranks, size, args.algorithms, args.iterations, args.api, args.trace,
+                          args.rounds) for _ in range(args.repeat)]
             labels = [r["algorithm"] for r in runs[0]]
             for label in labels:
                 ratios, times = [], []
@@ -88,7 +113,30 @@ def main(argv=None) -> int:
                 print(f"  {ranks:>5} {size:>6} {label:<34} {statistics.median(ratios):>7.2f}  "
                       f"[{min(ratios):.2f}-{max(ratios):.2f}]  {statistics.median(times):>12.2f}",
                       flush=True)
+            _targets(ranks, size, args.algorithms.split(","), runs)
     return 0
+
+
+def _targets(ranks: int, size: str, algorithms: list[str], runs: list[list[dict]]) -> None:
+    """Print each PAIRS ratio (row over reference, same job) with its target."""
+    print(f"# {'ranks':>5} {'size':>6} {'ratio (same job)':<44} {'ratio':>7}  spread        target")
+    for algorithm in algorithms:
+        for api, reference, (mine, schedule) in PAIRS:
+            target = mine if algorithm in NATIVE_OR_SHM else schedule
+            ratios = []
+            if target is None:
+                continue
+            for rows in runs:
+                top, bottom = _row(rows, algorithm, api), _row(rows, algorithm, reference)
+                if top is not None and bottom:
+                    ratios.append(top / bottom)
+            if not ratios:
+                continue
+            median = statistics.median(ratios)
+            label = f"{algorithm} {api} / {reference}"
+            print(f"  {ranks:>5} {size:>6} {label:<44} {median:>7.2f}  "
+                  f"[{min(ratios):.2f}-{max(ratios):.2f}]  <= {target:.1f} "
+                  f"{'met' if median <= target else 'MISSED'}", flush=True)
 
 
 if __name__ == "__main__":
