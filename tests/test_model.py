@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from mpiallreduce.algorithms.nodes import NODE_PHASED
+
 from mpiallreduce import algorithms, model
 from mpiallreduce.algorithms.compose import program_length
 from mpiallreduce.model import (
@@ -63,8 +65,9 @@ def test_symmetric_simulation_matches_every_rank(name, count, layout):
     p, per_node = layout
     topology = Topology.simulated(p, per_node)
     machine, tolerance = PLAIN, 0.01
-    fast = predict(name, p, count * 4, topology, machine)
-    full = predict(name, p, count * 4, topology, machine, symmetric=False)
+    params = {"intra": "p2p"} if name in NODE_PHASED else {}  # the schedule, simulated
+    fast = predict(name, p, count * 4, topology, machine, **params)
+    full = predict(name, p, count * 4, topology, machine, symmetric=False, **params)
     # exact where blocks are equal; rotated programs may differ by one element per message
     assert fast.time == pytest.approx(full.time, rel=tolerance)
     if tolerance == 0.01:
@@ -620,3 +623,136 @@ def test_predict_command_in_place_drops_native_s_copy():
         times.append(float(row[2]))
     # Open MPI's ring copies sendbuf into recvbuf out of place only
     assert times[0] - times[1] == pytest.approx(65536 * DEFAULT_MACHINE.copy * 1e6, rel=1e-3)
+
+
+# -- hierarchical and cascade with the shared-memory intra-node phase ------------------------------
+
+SHM_MACHINE = replace_(PLAIN, copy=1e-10, combine=4e-7, shm_small=1e-6, shm_large=5e-6,
+                       shm_peer=2e-10)
+
+
+def test_intra_auto_predicts_what_the_plans_run():
+    """As _plans._node_phased decides: shared memory where some node holds two ranks or more
+    (the closed form), the schedule where every node has one rank, or with intra='p2p'."""
+    two_nodes = Topology.simulated(8, 4)
+    for name in NODE_PHASED:
+        shared = predict(name, 8, 4096, two_nodes, SHM_MACHINE)
+        assert shared.partition.startswith("closed form (shared memory in 2 node(s)")
+        assert shared.time == predict(name, 8, 4096, two_nodes, SHM_MACHINE, intra="shm").time
+        p2p = predict(name, 8, 4096, two_nodes, SHM_MACHINE, intra="p2p")
+        assert not p2p.partition.startswith("closed form") and p2p.time != shared.time
+        singles = Topology.simulated(4, 1)
+        assert predict(name, 4, 4096, singles, SHM_MACHINE).time == predict(
+            name, 4, 4096, singles, SHM_MACHINE, intra="p2p").time
+        assert predict(name, 4, 4096, singles, SHM_MACHINE, intra="shm").partition.startswith(
+            "closed form")
+        with pytest.raises(ValueError, match="intra"):
+            predict(name, 8, 4096, two_nodes, SHM_MACHINE, intra="nvlink")
+
+
+def test_node_phased_one_node_closed_form():
+    """One node of 4, no cross phase: copy in, each rank reduces its quarter of the 4 slots
+    (hierarchical), the leader gathers the other quarters, publishes the vector, the others
+    copy it out; small vectors are reduced by the leader alone."""
+    from mpiallreduce.shm import SMALL_BYTES
+
+    m, size = 4, 1 << 20
+    part = size // m
+    combine = part * GAMMA + 4e-7 + part * 2e-10
+    expected = (5e-6 + size * 1e-10 + (m - 1) * combine + part * 1e-10
+                + (size - part) * 1e-10 + 2 * size * 1e-10)
+    assert predict("hierarchical", m, size, machine=SHM_MACHINE).time == pytest.approx(
+        expected, rel=1e-12)
+    small = SMALL_BYTES // 2
+    expected_small = (5e-6 + small * 1e-10 + (m - 1) * (small * GAMMA + 4e-7 + small * 2e-10)
+                      + small * 1e-10 + 2 * small * 1e-10)
+    assert predict("hierarchical", m, small, machine=SHM_MACHINE).time == pytest.approx(
+        expected_small, rel=1e-12)
+    # cascade: every owner publishes its block, every rank copies the other three out
+    expected_cascade = (5e-6 + size * 1e-10 + (m - 1) * combine + part * 1e-10
+                        + (size - part) * 1e-10)
+    assert predict("cascade", m, size, machine=SHM_MACHINE).time == pytest.approx(
+        expected_cascade, rel=1e-12)
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 8])
+@pytest.mark.parametrize("size", [4096, 3 << 20])
+def test_node_phased_cross_phase_is_the_inner_allreduce_across_nodes(nodes, size):
+    """N nodes cost one node's phases plus the inner algorithm among N ranks on the network:
+    the whole vector among the leaders (hierarchical), each owner's block (cascade)."""
+    from mpiallreduce.algorithms.compose import choose_inner
+
+    m = 4
+    count = size // 4
+    many = Topology.simulated(nodes * m, m)
+    network = Topology.simulated(nodes, 1)
+    for name, cross_bytes in (("hierarchical", size), ("cascade", -(-count // m) * 4)):
+        for inner in (None, "ring", "tree"):
+            chosen = choose_inner(inner, count if name == "hierarchical" else cross_bytes // 4)
+            across = predict(chosen, nodes, cross_bytes, network, SHM_MACHINE).time
+            params = {} if inner is None else {"inner": inner}
+            one = predict(name, m, size, machine=SHM_MACHINE, **params).time
+            assert predict(name, nodes * m, size, many, SHM_MACHINE, **params).time \
+                == pytest.approx(one + across, rel=1e-12)
+
+
+def test_node_phased_cascade_over_coarser_levels_and_the_node_bandwidth():
+    """Cascade over nodes grouped under switches crosses with cascade's own schedule over the
+    groups (every hop on the network); a slow node memory bounds the intra-node phases."""
+    levels = Topology.simulated(32, 4, nodes_per_group=2)
+    flat = Topology.simulated(32, 4)
+    grouped = predict("cascade", 32, 1 << 20, levels, SHM_MACHINE, inner="ring")
+    assert grouped.partition.startswith("closed form (shared memory in 8 node(s)")
+    # (a ring among the 8 nodes, against a ring among the 4 groups between two pair phases;
+    # with Rabenseifner inside both would be the same recursive halving and doubling)
+    coarse = Topology.from_levels([0, 0, 1, 1, 2, 2, 3, 3])
+    network = replace_(SHM_MACHINE, intra=SHM_MACHINE.inter)
+    one = predict("cascade", 4, 1 << 20, machine=SHM_MACHINE, inner="ring").time
+    assert grouped.time == pytest.approx(one + predict(
+        "cascade", 8, (1 << 20) // 4, coarse, network, inner="ring", intra="p2p").time, rel=1e-12)
+    assert grouped.time != predict("cascade", 32, 1 << 20, flat, SHM_MACHINE, inner="ring").time
+    slow = replace_(SHM_MACHINE, node_bandwidth=1e9)
+    assert predict("hierarchical", 4, 1 << 20, machine=slow).time > 4 * 2 * (1 << 20) / 1e9
+
+
+def test_predict_command_takes_intra(capsys):
+    from mpiallreduce.model.cli import main
+
+    times = {}
+    for intra in ("auto", "p2p"):
+        assert main(["predict", "--ranks", "16", "--ranks-per-node", "4", "--sizes", "4K:4K",
+                     "--algorithms", "hierarchical", "--intra", intra]) == 0
+        out = capsys.readouterr().out
+        assert f"intra-node phase {intra}" in out
+        row = next(line.split() for line in out.splitlines()
+                   if not line.startswith("#") and "hierarchical" in line)
+        times[intra] = float(row[2])
+    topology = Topology.simulated(16, 4)
+    assert times["auto"] == pytest.approx(predict("hierarchical", 16, 4096, topology).time * 1e6,
+                                          abs=0.01)
+    assert times["p2p"] == pytest.approx(
+        predict("hierarchical", 16, 4096, topology, intra="p2p").time * 1e6, abs=0.01)
+    assert times["auto"] != times["p2p"]
+
+
+def test_model_choice_needs_the_margin_to_leave_native(monkeypatch):
+    """Where nothing was measured, ``auto`` leaves native only for a schedule the model
+    predicts MODEL_MARGIN times faster (the model's native omits coll/han, and its agreement
+    here is +-25% at best)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpiallreduce import select
+    from mpiallreduce.ops import reducer
+
+    red = reducer(MPI.SUM, np.dtype("float32"))
+    for ring_time, expected in ((1.0 / select.MODEL_MARGIN * 1.01, "native"),
+                                (1.0 / select.MODEL_MARGIN * 0.99, "ring")):
+        select._model_choice.cache_clear()
+        monkeypatch.setattr(model, "choose", lambda *a, **k: "ring")
+        monkeypatch.setattr(model, "predict", lambda name, *a, t=ring_time, **k: SimpleNamespace(
+            time=1.0 if name == "native" else t))
+        assert select.model_choice(64, 4096, red) == expected
+    select._model_choice.cache_clear()

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--in-place", action="store_true",
                       help="predict sendbuf = MPI.IN_PLACE (the executor's scratch copies, "
                            "Open MPI's copies in place)")
+    pred.add_argument("--intra", choices=("auto", "shm", "p2p"), default="auto",
+                      help="hierarchical and cascade's intra-node phase: auto (as the library "
+                           "runs them: shared memory where a node holds two ranks or more), "
+                           "shm, or p2p (the point-to-point schedule)")
     pred.add_argument("--non-commutative", action="store_true",
                       help="predict for a non-commutative op (algorithms that reorder are left out)")
     pred.add_argument("--plot", metavar="FILE.png",
@@ -115,8 +119,10 @@ def _algorithms(text: str, commutative: bool, machine: Machine | None = None) ->
 
 def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
                   names: Sequence[str], machine: Machine, dtype="float32",
-                  commutative: bool = True, in_place: bool = False) -> list[dict]:
-    """Return one row per (size, algorithm): time, busbw, winner flag, messages, inter bytes."""
+                  commutative: bool = True, in_place: bool = False,
+                  intra: str = "auto") -> list[dict]:
+    """Return one row per (size, algorithm): time, busbw, winner flag, messages, inter bytes;
+    ``intra`` for the algorithms that take it (hierarchical, cascade)."""
     topology = Topology.simulated(nranks, ranks_per_node or nranks)
     itemsize = np.dtype(dtype).itemsize
     rows = []
@@ -128,6 +134,8 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
             accepted = getattr(algorithms.REGISTRY.get(name), "params", {})
             params = ({"ordered": True} if not commutative and (name == "native"
                                                                 or "ordered" in accepted) else {})
+            if "intra" in accepted:
+                params["intra"] = intra
             try:
                 found.append(predict(name, nranks, size, topology, machine, dtype,
                                      in_place=in_place, **params))
@@ -202,7 +210,7 @@ def _run_predict(opts, out) -> int:
     names = _algorithms(opts.algorithms, not opts.non_commutative, machine)
     start = time.perf_counter()
     rows = predict_table(opts.ranks, opts.ranks_per_node, sizes, names, machine, dtype,
-                         not opts.non_commutative, opts.in_place)
+                         not opts.non_commutative, opts.in_place, opts.intra)
     source = machine.info.get("host") or machine.info.get("source", "")
     print(f"# mpiallreduce.model: {opts.ranks} ranks, {opts.ranks_per_node or opts.ranks} per "
           f"node, {dtype.name}; machine: {opts.machine or 'built-in'} ({source})", file=out)
@@ -219,6 +227,12 @@ def _run_predict(opts, out) -> int:
           f"{_native_ranges(opts.ranks, sizes, dtype)}), plus its per-call copy of the message "
           f"and mpi4py's call ({machine.native_call * 1e6:.2f} us), no interpreter terms",
           file=out)
+    print(f"# hierarchical, cascade: intra-node phase {opts.intra}"
+          + (" (shared memory where a node holds two ranks or more, as the library runs them)"
+             if opts.intra == "auto" else "")
+          + f"; shm per call small {machine.shm_small * 1e6:.2f} us, large "
+            f"{machine.shm_large * 1e6:.2f} us, peer reads {machine.shm_peer:.3g} s/B, node "
+            f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s", file=out)
     if machine.switch is not None:
         _print_switch(machine.switch, opts.ranks, opts.ranks_per_node or opts.ranks, out)
     print(f"#{'size(B)':>11} {'algorithm':<20} {'time(us)':>14} {'busbw(GB/s)':>12} "

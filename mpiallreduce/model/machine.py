@@ -344,14 +344,29 @@ DEFAULT_MACHINE = Machine(
     intra=Link(alpha=1.50e-6, beta=1.43e-10),
     inter=NETWORK_100G,
     gamma=(("float32", 7.8e-11), ("float64", 7.6e-11), ("int32", 7.8e-11), ("int64", 8.0e-11)),
-    step=2.86e-6,
+    # the quiet VM's 2.86 us per step, which lumped the combine in, split as the newer
+    # calibrate measures it: 0.9 us per combine call (its runs read 0.59-1.57 us), the rest
+    # per step (a step with one reducing receive costs what it did; the shared-memory phases'
+    # combine calls, which have no step, cost their Python too)
+    step=1.96e-6,
+    combine=0.9e-6,
     call=0.0,
     copy=2.71e-10,
     # native measured less native modelled at 2 ranks, median over 8 B..1 KiB, in the quiet
     # VM's run of scripts/predict_vs_measured-vm.txt (2026-11-30): 0.75-1.24 µs
     native_call=0.94e-6,
+    # the shared-memory transport (shm, and the intra-node phase of hierarchical and cascade):
+    # its per-call terms and peer reads as fitted to the quiet 2-core VM's bench of 2026-12-01
+    # (scripts/machine-fitted-quiet.json, docs/model.md), the node's bandwidth as that VM's
+    # idle calibration measured it (scripts/machine-idle-20261201.json: every rank copying
+    # 64 MiB at once)
+    shm_small=1.6e-6,
+    shm_large=3.2e-6,
+    shm_peer=2.0e-10,
+    node_bandwidth=4.3e10,
     info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
                     "VM (Open MPI 5.0.11, 2026-11-30, after the executor's flat run loop); "
+                    "shm terms from that VM's fitted and idle runs of 2026-12-01; "
                     "inter-node a 100 Gb/s network"},
 )
 

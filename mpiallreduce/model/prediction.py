@@ -6,7 +6,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from dataclasses import replace
+
 from .. import algorithms
+from ..algorithms.compose import check_intra, choose_inner
+from ..algorithms.nodes import NODE_PHASED
+from ..partition import block
 from ..topology import Topology
 from .machine import DEFAULT_MACHINE, INTRA, Machine, check_cores
 from .native import OMPI_COPIES, _ompi_choice, native_algorithm
@@ -51,7 +56,10 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
         in_place: ``sendbuf`` is ``MPI.IN_PLACE``: the executor's reducing receives land in
             scratch (and are copied back between the sizes of ``SCRATCH_COMBINE``), Open MPI
             skips the copies of sendbuf into recvbuf.
-        params: builder parameters (``inner=``, ``segment_bytes=``).
+        params: builder parameters (``inner=``, ``segment_bytes=``); ``intra=`` for
+            hierarchical and cascade: ``"auto"`` (the default, as the library's plans decide:
+            the shared-memory intra-node phase wherever some node holds two ranks or more),
+            ``"shm"`` or ``"p2p"`` (the point-to-point schedule, simulated step by step).
 
     Raises :class:`Oversubscribed` (a ValueError) when a node holds more ranks than
     ``machine.cores``.
@@ -73,6 +81,9 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
         return _predict_sharp(nranks, nbytes, topology, machine, dtype)
     if name == SHM:
         return _predict_shm(nranks, nbytes, topology, machine, dtype, in_place)
+    if name in NODE_PHASED and _node_phased(nranks, int(nbytes) // itemsize, topology, params):
+        return _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_place,
+                                    params)
     count = int(nbytes) // itemsize
     key = tuple(sorted(params.items()))
     parts = _base_parts(name, nranks, count) if symmetric and nranks > 1 and count else None
@@ -142,6 +153,34 @@ SHARP = "sharp"
 SHM = "shm"
 
 
+class _NodeCosts:
+    """What the shared-memory transport's phases cost on a node of this machine: copies and
+    combines at their calibrated rates, and a phase of ``ranks`` ranks working at once bounded
+    by the node's bandwidth at that size (``node_curve``, else ``node_bandwidth``)."""
+
+    def __init__(self, machine: Machine, dtype):
+        self.machine, self.dtype = machine, np.dtype(dtype).name
+
+    def phase(self, ranks: int, per_rank_seconds: float, traffic_per_rank: float) -> float:
+        # the node's rate where each rank moves this phase's bytes (its caches for small ones)
+        bandwidth = (self.machine.node_bandwidth_at(traffic_per_rank / 2)
+                     if ranks > 1 and traffic_per_rank else 0.0)
+        if bandwidth > 0:
+            return max(per_rank_seconds, ranks * traffic_per_rank / bandwidth)
+        return per_rank_seconds
+
+    def copy(self, nbytes: int) -> float:
+        return nbytes * float(self.machine.copy_at(nbytes)) if nbytes else 0.0
+
+    def combine(self, nbytes: int) -> float:
+        return nbytes * float(self.machine.gamma_at(self.dtype, nbytes)) + self.machine.combine
+
+    def reduce(self, ranks: int, nbytes: int) -> float:
+        """Combine ``nbytes`` of each of ``ranks`` slots (the peers' freshly written ones
+        cost ``shm_peer`` per byte beyond γ)."""
+        return (ranks - 1) * (self.combine(nbytes) + nbytes * self.machine.shm_peer)
+
+
 def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Prediction:
     """The shared-memory transport on one node (:mod:`mpiallreduce.shm`), by its regimes.
 
@@ -162,40 +201,111 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     itemsize = np.dtype(dtype).itemsize
     size = int(nbytes) // itemsize * itemsize
     p = nranks
-    name = np.dtype(dtype).name
-
-    def phase(per_rank_seconds: float, traffic_per_rank: float) -> float:
-        # the node's rate where each rank moves this phase's bytes (its caches for small ones)
-        bandwidth = machine.node_bandwidth_at(traffic_per_rank / 2) if p > 1 else 0.0
-        if bandwidth > 0:
-            return max(per_rank_seconds, p * traffic_per_rank / bandwidth)
-        return per_rank_seconds
-
-    def copy(nbytes_):
-        return nbytes_ * float(machine.copy_at(nbytes_)) if nbytes_ else 0.0
-
-    def combine(nbytes_):
-        return nbytes_ * float(machine.gamma_at(name, nbytes_)) + machine.combine
-
+    node = _NodeCosts(machine, dtype)
     if p == 1 or size == 0:
-        time_ = copy(size) if not in_place else 0.0
+        time_ = node.copy(size) if not in_place else 0.0
         steps = 0
     elif size <= small_bytes(p):
-        time_ = (machine.shm_small + phase(copy(size), 2 * size)
-                 + phase((p - 1) * (combine(size) + size * machine.shm_peer),
-                         (2 * p - 1) * size))
+        time_ = (machine.shm_small + node.phase(p, node.copy(size), 2 * size)
+                 + node.phase(p, node.reduce(p, size), (2 * p - 1) * size))
         steps = 1
     else:
         part = -(-size // p)
-        peer = (p - 1) * part * machine.shm_peer
-        time_ = (machine.shm_large + phase(copy(size), 2 * size)
-                 + phase((p - 1) * combine(part) + peer + copy(part), (p + 3) * part)
-                 + phase((p - 1) * (copy(part) + machine.combine) + peer,
-                         2 * (p - 1) * part))
+        time_ = (machine.shm_large + node.phase(p, node.copy(size), 2 * size)
+                 + node.phase(p, node.reduce(p, part) + node.copy(part), (p + 3) * part)
+                 + node.phase(p, (p - 1) * (node.copy(part) + machine.combine
+                                            + part * machine.shm_peer),
+                              2 * (p - 1) * part))
         steps = 2
     zeros = np.zeros(nranks, dtype=np.int64)
     return Prediction(SHM, nranks, size, time_, np.full(nranks, time_), zeros, zeros.copy(),
                       (0, 0), (0, 0), None, steps, "closed form (shared memory)")
+
+
+def _node_phased(nranks: int, count: int, topology: Topology, params: dict) -> bool:
+    """Whether hierarchical or cascade runs its intra-node phase over shared memory, as
+    :func:`mpiallreduce._plans._node_phased` decides it: ``intra="shm"``, or ``"auto"`` where
+    some node holds two ranks or more (the library's plans also fall back to the schedule
+    where ranks outnumber cores, which the model refuses to predict)."""
+    intra = params.get("intra", "auto")
+    check_intra(intra)
+    if intra == "p2p" or nranks == 1 or count == 0:
+        return False
+    return intra == "shm" or max(topology.node_sizes) > 1
+
+
+def _cross(name: str, group: int, nbytes: int, topology: Topology, machine: Machine, dtype,
+           inner: str, ordered: bool) -> float:
+    """The cross-node phase of a node-phased run: ``inner`` among ``group`` ranks, one per node
+    (every message on the inter-node link); cascade over the coarser levels where the topology
+    has them (their units become the nodes, the inter link inside them too)."""
+    if group <= 1 or not nbytes:
+        return 0.0
+    if name == "cascade" and len(topology.levels) > 1:
+        first = [unit[0] for unit in topology.members]  # local rank 0 of every node: a group
+        coarse = Topology.from_levels(*[[level[rank] for rank in first]
+                                        for level in topology.levels[1:]])
+        return predict("cascade", group, nbytes, coarse, replace(machine, intra=machine.inter),
+                       dtype, inner=inner, intra="p2p").time
+    return predict(inner, group, nbytes, Topology.simulated(group, 1), machine, dtype,
+                   **({"ordered": True} if ordered else {})).time
+
+
+def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_place,
+                         params) -> Prediction:
+    """hierarchical or cascade with the shared-memory intra-node phase (:mod:`.shm_nodes`).
+
+    One epoch per node: every rank copies its input into its slot; the node's owners reduce
+    their blocks of every slot (hierarchical: every rank a block, or the leader all of it up to
+    ``shm.SMALL_BYTES``; cascade: the smallest node's size of owners); then the cross-node
+    phase (:func:`_cross`: the leaders allreduce the vector, or each owner its block with the
+    owners of its local index); then every rank copies the result out of the slots
+    (hierarchical: the owners' blocks gathered by the leader, copied into its slot, and the
+    vector copied out by every other rank; cascade: each owner's block into its slot, every
+    rank copies the other blocks out). The slowest node sets when the cross phase starts and
+    ends; each phase of a node is bounded by the node's bandwidth as ``shm``'s are; one
+    ``shm_large`` per call for the counters and waits, ``call`` for the cross phase's plan
+    inside :func:`_cross`'s prediction.
+    """
+    from ..shm import SMALL_BYTES
+
+    itemsize = np.dtype(dtype).itemsize
+    count = int(nbytes) // itemsize
+    size = count * itemsize
+    node = _NodeCosts(machine, dtype)
+    ordered = bool(params.get("ordered"))
+    hierarchical = name == "hierarchical"
+    small = hierarchical and size <= SMALL_BYTES
+    sizes = set(topology.node_sizes)
+    core = min(sizes)
+    before, after = 0.0, 0.0
+    for m in sizes:
+        owners = 1 if small else (m if hierarchical else core)
+        lo, hi = block(count, owners, 0)
+        part = (hi - lo) * itemsize  # the widest block
+        reduce_ = node.phase(owners, node.reduce(m, part), (m + 1) * part)
+        if hierarchical:
+            gather = node.copy(part) + (node.copy(size - part) if owners > 1 else 0.0)
+            out = node.copy(size) + node.copy(size)  # the leader publishes, the others copy
+        else:
+            gather = 0.0
+            out = node.copy(part) + node.phase(m, node.copy(size - part if m == owners
+                                                             else size), 2 * size)
+        before = max(before, node.phase(m, node.copy(size), 2 * size) + reduce_ + gather)
+        after = max(after, out)
+    if hierarchical:
+        inner = choose_inner(params.get("inner"), count, ordered)
+        cross = _cross(name, topology.nnodes, size, topology, machine, dtype, inner, ordered)
+    else:
+        lo, hi = block(count, core, 0)
+        inner = choose_inner(params.get("inner"), hi - lo)
+        cross = _cross(name, topology.nnodes, (hi - lo) * itemsize, topology, machine, dtype,
+                       inner, False)
+    total = machine.shm_large + before + cross + after
+    zeros = np.zeros(nranks, dtype=np.int64)
+    return Prediction(name, nranks, size, total, np.full(nranks, total), zeros, zeros.copy(),
+                      (0, 0), (0, 0), None, 2,
+                      f"closed form (shared memory in {topology.nnodes} node(s), {inner} across)")
 
 
 def _predict_sharp(nranks, nbytes, topology, machine, dtype) -> Prediction:
