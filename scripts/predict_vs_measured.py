@@ -39,6 +39,7 @@ import sys
 import tempfile
 from dataclasses import replace
 
+from mpiallreduce.algorithms.nodes import NODE_PHASED
 from mpiallreduce.model import DEFAULT_MACHINE, Machine, Oversubscribed, check_cores, predict
 from mpiallreduce.topology import Topology
 
@@ -126,13 +127,15 @@ def steady(row: dict) -> bool | None:
     return lo >= (1 - STEADY) * median and hi <= (1 + STEADY) * median
 
 
-def compare(measured: dict, machine: Machine, cores: int | None) -> list[dict]:
+def compare(measured: dict, machine: Machine, cores: int | None, intra: str = "auto"
+            ) -> list[dict]:
     """Return one record per measured row: case, mode, size, algorithm, measured and predicted µs.
 
     ``measured`` maps a case label ("2", "4", "8/4"), or a (label, mode) pair, to bench rows.
     All ranks of a case ran on this machine, so a case with more ranks than ``cores`` is
     refused (``refused`` holds the reason, ``predicted_us`` is None); so is a row the model
-    cannot predict.
+    cannot predict. ``intra``: hierarchical and cascade's intra-node phase as the bench ran it
+    (``"p2p"`` for rows measured before that phase could run over shared memory).
     """
     records = []
     keyed = {(key, "out") if isinstance(key, str) else key: rows for key, rows in measured.items()}
@@ -141,11 +144,11 @@ def compare(measured: dict, machine: Machine, cores: int | None) -> list[dict]:
             rows = keyed.get((label(nranks, per_node), mode))
             if not rows:
                 continue
-            records += _compare_case(rows, nranks, per_node, mode, machine, cores)
+            records += _compare_case(rows, nranks, per_node, mode, machine, cores, intra)
     return records
 
 
-def _compare_case(rows, nranks, per_node, mode, machine, cores) -> list[dict]:
+def _compare_case(rows, nranks, per_node, mode, machine, cores, intra="auto") -> list[dict]:
     topology = Topology.simulated(nranks, per_node or nranks)
     refused = None
     try:
@@ -165,8 +168,9 @@ def _compare_case(rows, nranks, per_node, mode, machine, cores) -> list[dict]:
                 if runs == "auto":
                     raise ValueError("auto without the bench's runs column: what it ran is "
                                      "unknown")
+                params = {"intra": intra} if runs in NODE_PHASED else {}
                 record["predicted_us"] = predict(runs, nranks, row["size"], topology, machine,
-                                                 in_place=mode == "in").time * 1e6
+                                                 in_place=mode == "in", **params).time * 1e6
             except ValueError as error:
                 record["refused"] = str(error)
         ratio = row.get("vs_native")
@@ -308,6 +312,11 @@ def main(argv=None, out=None) -> int:
                         help="write the bench rows of this run for a later --measured")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="predicted against measured (needs matplotlib: the plot extra)")
+    parser.add_argument("--intra", choices=("auto", "shm", "p2p"), default="auto",
+                        help="hierarchical and cascade's intra-node phase as the bench ran it "
+                             "(default auto, as the library runs them; p2p for rows measured "
+                             "before it could run over shared memory, e.g. the stored "
+                             "scripts/bench-n2-*.json)")
     opts = parser.parse_args(argv)
     if opts.calibrate and opts.measured:
         parser.error("--calibrate measures this machine now; --measured re-predicts old rows")
@@ -339,7 +348,7 @@ def main(argv=None, out=None) -> int:
                 if len(saved) > 1:
                     path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
                 path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
-    records = compare(measured, machine, opts.cores)
+    records = compare(measured, machine, opts.cores, opts.intra)
     info = machine.info
     print(f"# machine: {opts.calibrate or opts.machine or 'built-in'} ("
           f"{info.get('host', '')} {info.get('date', info.get('source', ''))}, load "

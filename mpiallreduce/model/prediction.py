@@ -263,11 +263,12 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
     (hierarchical: the owners' blocks gathered by the leader, copied into its slot, and the
     vector copied out by every other rank; cascade: each owner's block into its slot, every
     rank copies the other blocks out). The slowest node sets when the cross phase starts and
-    ends; each phase of a node is bounded by the node's bandwidth as ``shm``'s are; one
-    ``shm_large`` per call for the counters and waits, ``call`` for the cross phase's plan
-    inside :func:`_cross`'s prediction.
+    ends; each phase of a node is bounded by the node's bandwidth as ``shm``'s are; per call
+    for the counters and waits ``shm_small`` up to ``shm.small_bytes`` of the largest node,
+    else ``shm_large`` (the terms of the regimes ``shm`` calibrates: the same counters and
+    waits), ``call`` for the cross phase's plan inside :func:`_cross`'s prediction.
     """
-    from ..shm import SMALL_BYTES
+    from ..shm import SMALL_BYTES, small_bytes
 
     itemsize = np.dtype(dtype).itemsize
     count = int(nbytes) // itemsize
@@ -301,7 +302,8 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
         inner = choose_inner(params.get("inner"), hi - lo)
         cross = _cross(name, topology.nnodes, (hi - lo) * itemsize, topology, machine, dtype,
                        inner, False)
-    total = machine.shm_large + before + cross + after
+    fixed = machine.shm_small if size <= small_bytes(max(sizes)) else machine.shm_large
+    total = fixed + before + cross + after
     zeros = np.zeros(nranks, dtype=np.int64)
     return Prediction(name, nranks, size, total, np.full(nranks, total), zeros, zeros.copy(),
                       (0, 0), (0, 0), None, 2,
