@@ -666,7 +666,7 @@ def test_node_phased_one_node_closed_form():
         expected, rel=1e-12)
     small = SMALL_BYTES // 2
     expected_small = (1e-6 + small * 1e-10 + (m - 1) * (small * GAMMA + 4e-7 + small * 2e-10)
-                      + small * 1e-10 + 2 * small * 1e-10)
+                      + 2 * small * 1e-10)
     assert predict("hierarchical", m, small, machine=SHM_MACHINE).time == pytest.approx(
         expected_small, rel=1e-12)
     # cascade: every owner publishes its block, every rank copies the other three out
@@ -693,8 +693,12 @@ def test_node_phased_cross_phase_is_the_inner_allreduce_across_nodes(nodes, size
             across = predict(chosen, nodes, cross_bytes, network, SHM_MACHINE).time
             params = {} if inner is None else {"inner": inner}
             one = predict(name, m, size, machine=SHM_MACHINE, **params).time
-            assert predict(name, nodes * m, size, many, SHM_MACHINE, **params).time \
-                == pytest.approx(one + across, rel=1e-12)
+            result = predict(name, nodes * m, size, many, SHM_MACHINE, **params)
+            assert result.time == pytest.approx(one + across, rel=1e-12)
+            # the network carries the cross phase's bytes: the leaders', or every owner's
+            groups = 1 if name == "hierarchical" else m
+            assert result.link_bytes == (0, groups * sum(predict(
+                chosen, nodes, cross_bytes, network, SHM_MACHINE).link_bytes))
 
 
 def test_node_phased_cascade_over_coarser_levels_and_the_node_bandwidth():

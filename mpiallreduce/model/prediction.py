@@ -235,20 +235,20 @@ def _node_phased(nranks: int, count: int, topology: Topology, params: dict) -> b
 
 
 def _cross(name: str, group: int, nbytes: int, topology: Topology, machine: Machine, dtype,
-           inner: str, ordered: bool) -> float:
+           inner: str, ordered: bool) -> Prediction | None:
     """The cross-node phase of a node-phased run: ``inner`` among ``group`` ranks, one per node
     (every message on the inter-node link); cascade over the coarser levels where the topology
     has them (their units become the nodes, the inter link inside them too)."""
     if group <= 1 or not nbytes:
-        return 0.0
+        return None
     if name == "cascade" and len(topology.levels) > 1:
         first = [unit[0] for unit in topology.members]  # local rank 0 of every node: a group
         coarse = Topology.from_levels(*[[level[rank] for rank in first]
                                         for level in topology.levels[1:]])
         return predict("cascade", group, nbytes, coarse, replace(machine, intra=machine.inter),
-                       dtype, inner=inner, intra="p2p").time
+                       dtype, inner=inner, intra="p2p")
     return predict(inner, group, nbytes, Topology.simulated(group, 1), machine, dtype,
-                   **({"ordered": True} if ordered else {})).time
+                   **({"ordered": True} if ordered else {}))
 
 
 def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_place,
@@ -286,7 +286,9 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
         part = (hi - lo) * itemsize  # the widest block
         reduce_ = node.phase(owners, node.reduce(m, part), (m + 1) * part)
         if hierarchical:
-            gather = node.copy(part) + (node.copy(size - part) if owners > 1 else 0.0)
+            # the other owners publish their blocks and the leader gathers them (a leader
+            # reducing all of it has nothing to gather)
+            gather = node.copy(part) + node.copy(size - part) if owners > 1 else 0.0
             out = node.copy(size) + node.copy(size)  # the leader publishes, the others copy
         else:
             gather = 0.0
@@ -297,16 +299,29 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
     if hierarchical:
         inner = choose_inner(params.get("inner"), count, ordered)
         cross = _cross(name, topology.nnodes, size, topology, machine, dtype, inner, ordered)
+        groups = [list(topology.leaders)]
     else:
         lo, hi = block(count, core, 0)
         inner = choose_inner(params.get("inner"), hi - lo)
         cross = _cross(name, topology.nnodes, (hi - lo) * itemsize, topology, machine, dtype,
                        inner, False)
+        groups = [[unit[local] for unit in topology.members] for local in range(core)]
     fixed = machine.shm_small if size <= small_bytes(max(sizes)) else machine.shm_large
-    total = fixed + before + cross + after
-    zeros = np.zeros(nranks, dtype=np.int64)
-    return Prediction(name, nranks, size, total, np.full(nranks, total), zeros, zeros.copy(),
-                      (0, 0), (0, 0), None, 2,
+    total = fixed + before + (0.0 if cross is None else cross.time) + after
+    # the messages are the cross phase's (every owner group's as the widest one's), all on
+    # the network; the intra-node phases move bytes through shared memory, not messages
+    sent_bytes = np.zeros(nranks, dtype=np.int64)
+    sent_messages = np.zeros(nranks, dtype=np.int64)
+    link_bytes = link_messages = (0, 0)
+    if cross is not None:
+        for group in groups:
+            sent_bytes[group] += cross.sent_bytes
+            sent_messages[group] += cross.sent_messages
+        link_bytes = (0, len(groups) * sum(cross.link_bytes))
+        link_messages = (0, len(groups) * sum(cross.link_messages))
+    return Prediction(name, nranks, size, total, np.full(nranks, total), sent_bytes,
+                      sent_messages, link_bytes, link_messages, None,
+                      2 + (0 if cross is None else cross.steps),
                       f"closed form (shared memory in {topology.nnodes} node(s), {inner} across)")
 
 
