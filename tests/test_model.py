@@ -589,7 +589,8 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
 
     path = tmp_path / "rich.json"
     rich = replace_(RICH, native_call=4e-7, shm_small=1e-6, shm_large=2e-5, shm_peer=1e-10,
-                    node_bandwidth=2e10, node_curve=((4096, 1e11), (1 << 26, 2e10)), cores=2)
+                    node_bandwidth=2e10, node_curve=((4096, 1e11), (1 << 26, 2e10)), cores=2,
+                    phased_small=2e-6, phased_large=1e-5)
     rich.save(path)
     again = Machine.load(path)
     assert again == rich and again.intra.curve == rich.intra.curve
@@ -603,6 +604,7 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     assert machine.intra.curve is None and machine.gamma_curve is None
     assert (machine.request, machine.combine, machine.shm_small, machine.shm_peer,
             machine.node_bandwidth) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert machine.phased_small is None and machine.phased_large is None
     assert machine.intra.cost(1024) == pytest.approx(machine.intra.alpha
                                                      + 1024 * machine.intra.beta)
     for bad in ([[8, -1.0]], [[8, 1.0], [8, 2.0]], "no", [[0, 1.0]]):
@@ -669,6 +671,12 @@ def test_node_phased_one_node_closed_form():
                       + 2 * small * 1e-10)
     assert predict("hierarchical", m, small, machine=SHM_MACHINE).time == pytest.approx(
         expected_small, rel=1e-12)
+    # calibrated node-phased terms replace shm's per-call terms, in each regime
+    phased = replace_(SHM_MACHINE, phased_small=3e-6, phased_large=7e-6)
+    assert predict("hierarchical", m, small, machine=phased).time == pytest.approx(
+        expected_small + 2e-6, rel=1e-12)
+    assert predict("hierarchical", m, size, machine=phased).time == pytest.approx(
+        expected + 2e-6, rel=1e-12)
     # cascade: every owner publishes its block, every rank copies the other three out
     expected_cascade = (5e-6 + size * 1e-10 + (m - 1) * combine + part * 1e-10
                         + (size - part) * 1e-10)

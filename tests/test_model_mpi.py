@@ -33,6 +33,9 @@ def test_calibrate_measures_every_term_on_every_rank():
     assert [b for b, _ in machine.node_curve] == [4096, 1 << 16, 1 << 20]
     limit = small_bytes(comm.Get_size())  # the shm regimes: 8 B, half the limit, twice it
     assert set(machine.info["shm_run_s"]) == {"8", str(limit // 2), str(2 * limit)}
+    # hierarchical over shared memory on this node, in shm's two regimes
+    assert set(machine.info["hierarchical_shm_run_s"]) == {"8", str(2 * limit)}
+    assert machine.phased_small >= 0 and machine.phased_large >= 0
     assert set(machine.info["plan_run_s"]) >= {"chain per step", "exchange per step",
                                                "reducing exchange per step"}
     # one machine on every rank (rank 0's measurements, broadcast)

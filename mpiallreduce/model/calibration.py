@@ -209,9 +209,11 @@ def _interpreter_terms(comm, nsteps: int = 33) -> dict:
     return result
 
 
-def _shm_cost(comm, nbytes: int, iterations: int) -> float | None:
+def _shm_cost(comm, nbytes: int, iterations: int, algorithm: str = "shm", **params
+              ) -> float | None:
     """Seconds per run of the shm transport's plan of ``nbytes`` float32 (slowest rank), or
-    None where it does not run (ranks on several nodes, no shared memory)."""
+    None where it does not run (ranks on several nodes, no shared memory); ``algorithm``
+    hierarchical with ``intra="shm"``: its node-phased plan."""
     from mpi4py import MPI
 
     from ..api import plan
@@ -219,7 +221,7 @@ def _shm_cost(comm, nbytes: int, iterations: int) -> float | None:
     x = np.ones(max(nbytes // 4, 1), np.float32)
     y = np.empty_like(x)
     try:
-        bound = plan(x, y, MPI.SUM, comm, "shm")
+        bound = plan(x, y, MPI.SUM, comm, algorithm, **params)
     except (ValueError, NotImplementedError, MPI.Exception):
         return None
     try:
@@ -310,7 +312,9 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
     - ``shm_small``/``shm_large``: the shm transport's run at 8 B and 64 KiB less the model's
       copies and combines there, ``shm_peer`` from its run at 16 KiB (the small regime's
-      per-byte read of the peers' slots); ``node_bandwidth``: all ranks copying 64 MiB at once,
+      per-byte read of the peers' slots); ``phased_small``/``phased_large``: hierarchical with
+      its shared-memory intra-node phase at 8 B and twice the small regime's limit, less the
+      model's copies and combines; ``node_bandwidth``: all ranks copying 64 MiB at once,
       and ``node_curve`` the same at every size of ``rate_sizes`` below it;
     - ``cores``: those this process may run on.
 
@@ -362,6 +366,8 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
     limit = small_bytes(comm.Get_size())  # the small regime's most bytes at this size
     shm = {} if across else {size: _shm_cost(comm, size, 100)
                              for size in (8, limit // 2, 2 * limit)}
+    phased = {} if across else {size: _shm_cost(comm, size, 100, "hierarchical", intra="shm")
+                                for size in (8, 2 * limit)}
     node_curve = None if across else tuple(
         (size, _node_bandwidth(comm, size)) for size in rate_sizes if size < bandwidth_bytes)
     bandwidth = 0.0 if across else _node_bandwidth(comm, bandwidth_bytes)
@@ -383,6 +389,7 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
                            "reducing exchange, 1 step": shapes["reducing 1 step"],
                            "step before clamping at 0": raw_step},
             "shm_run_s": {str(k): v for k, v in shm.items()},
+            "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
             "allreduce_1_float64_s": allreduce}
     machine = Machine(intra, inter, gamma, per_step, per_call, copy, info=info,
                       request=request, combine=combine, gamma_curve=gamma_curve,
@@ -400,4 +407,13 @@ def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = Non
         machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
         large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
         machine = replace(machine, shm_large=max(0.0, large))
+    if phased and all(value is not None for value in phased.values()) and split.nnodes == 1:
+        # hierarchical over shared memory on this one node (no cross phase), as shm's regimes
+        nranks = comm.Get_size()
+        fields = {}
+        for size, name in ((8, "phased_small"), (2 * limit, "phased_large")):
+            modelled = predict("hierarchical", nranks, size, split,
+                               replace(machine, **{name: 0.0}), intra="shm").time
+            fields[name] = max(0.0, phased[size] - modelled)
+        machine = replace(machine, **fields)
     return replace(machine, cores=comm.bcast(cores, root=0))

@@ -344,6 +344,9 @@ def _run_calibrate(opts, out) -> int:
               f"us per call, {machine.shm_peer:.3g} s/B from the peers' slots; node "
               f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
               f"{machine.info.get('load')}", file=out)
+        if machine.phased_small is not None:
+            print(f"hierarchical/cascade over shm: small {machine.phased_small * 1e6:.2f} us, "
+                  f"large {machine.phased_large * 1e6:.2f} us per call", file=out)
         print(f"wrote {opts.output}", file=out)
     return 0
 

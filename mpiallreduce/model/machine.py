@@ -163,6 +163,10 @@ SHARP_SAT = Switch(alpha=2.0e-6, hop=0.2075e-6, beta=8.0e-11 / 0.95, chunk=0.754
 SWITCHES = {switch.name: switch for switch in (SHARP_LLT, SHARP_SAT)}
 
 
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
 @dataclass(frozen=True)
 class Machine:
     """Model parameters: two link classes, γ per dtype, and the interpreter's terms.
@@ -192,6 +196,10 @@ class Machine:
         shm_small, shm_large: seconds per call of the shared-memory transport (``"shm"``)
             beyond its copies and combines, in its small and large regimes (Python, the
             counters, waiting for the peers).
+        phased_small, phased_large: seconds per call of hierarchical and cascade with the
+            shared-memory intra-node phase (:mod:`mpiallreduce.shm_nodes`) beyond their copies,
+            combines and cross phase, in shm's small and large regimes, or None (``shm_small``
+            and ``shm_large``): they publish twice per call and run more Python than ``shm``.
         shm_peer: seconds per byte a rank of the shm transport reads from slots its peers have
             just written (the lines come from the peer's cache), beyond the combine's γ.
         node_bandwidth: bytes per second a node's memory moves for all its ranks at once
@@ -226,6 +234,8 @@ class Machine:
     shm_peer: float = 0.0
     node_bandwidth: float = 0.0
     node_curve: tuple[tuple[int, float], ...] | None = None
+    phased_small: float | None = None
+    phased_large: float | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -280,6 +290,7 @@ class Machine:
                 "shm_small": self.shm_small, "shm_large": self.shm_large,
                 "shm_peer": self.shm_peer,
                 "node_bandwidth": self.node_bandwidth, "node_curve": curve(self.node_curve),
+                "phased_small": self.phased_small, "phased_large": self.phased_large,
                 "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
 
@@ -315,6 +326,8 @@ class Machine:
                    shm_peer=float(data.get("shm_peer", 0.0)),
                    node_bandwidth=float(data.get("node_bandwidth", 0.0)),
                    node_curve=data.get("node_curve"),
+                   phased_small=_optional_float(data.get("phased_small")),
+                   phased_large=_optional_float(data.get("phased_large")),
                    info=dict(data.get("info", {})))
 
     @classmethod

@@ -264,9 +264,10 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
     vector copied out by every other rank; cascade: each owner's block into its slot, every
     rank copies the other blocks out). The slowest node sets when the cross phase starts and
     ends; each phase of a node is bounded by the node's bandwidth as ``shm``'s are; per call
-    for the counters and waits ``shm_small`` up to ``shm.small_bytes`` of the largest node,
-    else ``shm_large`` (the terms of the regimes ``shm`` calibrates: the same counters and
-    waits), ``call`` for the cross phase's plan inside :func:`_cross`'s prediction.
+    for the counters, waits and Python ``phased_small`` up to ``shm.small_bytes`` of the
+    largest node, else ``phased_large`` (calibrated on one node; where a machine has none,
+    ``shm_small``/``shm_large``), ``call`` for the cross phase's plan inside :func:`_cross`'s
+    prediction.
     """
     from ..shm import SMALL_BYTES, small_bytes
 
@@ -306,7 +307,10 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
         cross = _cross(name, topology.nnodes, (hi - lo) * itemsize, topology, machine, dtype,
                        inner, False)
         groups = [[unit[local] for unit in topology.members] for local in range(core)]
-    fixed = machine.shm_small if size <= small_bytes(max(sizes)) else machine.shm_large
+    if size <= small_bytes(max(sizes)):
+        fixed = machine.shm_small if machine.phased_small is None else machine.phased_small
+    else:
+        fixed = machine.shm_large if machine.phased_large is None else machine.phased_large
     total = fixed + before + (0.0 if cross is None else cross.time) + after
     # the messages are the cross phase's (every owner group's as the widest one's), all on
     # the network; the intra-node phases move bytes through shared memory, not messages
