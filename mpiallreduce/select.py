@@ -101,9 +101,7 @@ MEASURED_RANKS = 8
 #: how much faster than native the cost model must predict a schedule before ``auto`` runs it
 #: where nothing was measured: the model came within +-25% of the bench in at best half of the
 #: rows here (docs/model.md), and its native is coll/tuned's flat table, while Open MPI with
-#: peers on other nodes runs coll/han, which it does not model. (At 4096 ranks, 8 per node,
-#: 8 B: cascade with the shared-memory intra-node phase 43.8 us predicted against native's
-#: 46.0, 1.05x: native stays.)
+#: peers on other nodes runs coll/han, which it does not model.
 MODEL_MARGIN = 1.25
 
 

@@ -332,8 +332,9 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
 def _predict_sharp(nranks, nbytes, topology, machine, dtype) -> Prediction:
     """Reduce to a leader per node, one in-network allreduce among leaders, broadcast back.
 
-    The two node phases are ``hierarchical`` on one node of each node size (binomial reduce
-    and broadcast, with the interpreter's step terms); the switch phase is one executor step
+    The two node phases are ``hierarchical`` on one node of each node size as :func:`predict`
+    gives it (over shared memory where a node holds two ranks or more, else the binomial
+    reduce and broadcast with the interpreter's step terms); the switch phase is one executor step
     plus :meth:`Switch.time` on the whole message. Commutative ops only (the switches reduce
     in arrival order).
     """
