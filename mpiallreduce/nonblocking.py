@@ -347,20 +347,18 @@ class _Run(Request):
                 try:
                     rest = self.rest
                     if rest is not None and len(runs) == 1:  # runs == [self]
+                        # (_end, inline: a lean run is never owned, and only this wait
+                        # reads it once it is out of runs)
                         self.rest = None
                         try:
                             for call in rest:
                                 call()
                         except Exception as exc:  # noqa: BLE001 - a user op raised
                             self.error = exc
-                        # (_end, inline)
-                        self.finished = True
-                        self.requests = None
-                        runs.remove(self)
-                        if self.owned:
-                            self.plan.free()
-                        if self.error is not None:
-                            raise self.error
+                            raise
+                        finally:
+                            self.finished = True
+                            runs.clear()
                         return
                 finally:
                     lock.release()
