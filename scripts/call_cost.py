@@ -59,13 +59,13 @@ def _row(rows: list[dict], algorithm: str, api: str) -> float | None:
 
 
 def bench(ranks: int, size: str, algorithms: str, iterations: int | None, apis: str,
-          trace: bool = False, rounds: int = 1) -> list[dict]:
+          trace: bool = False, rounds: int = 1, dtype: str = "float32") -> list[dict]:
     """Run the bench once; return its rows."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rows.json")
         command = [_mpirun(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
                    "mpiallreduce.bench", "--sizes", f"{size}:{size}", "--algorithms", algorithms,
-                   "--api", apis, "--quiet", "--json", out]
+                   "--api", apis, "--quiet", "--json", out, "--dtype", dtype]
         if iterations:
             command += ["--iterations", str(iterations)]
         if trace:
@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--algorithms", default="native,auto,recursive_doubling")
     parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--dtype", default="float32",
+                        help="the bench's element type (the non-blocking issue's table: float64)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds per job (the bench's --repeat; default 3)")
     parser.add_argument("--api", default="plan,call,call-nocheck,start,iallreduce,comm,comm-nocheck,"
@@ -95,13 +97,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.rounds < 1:
         parser.error("--repeat and --rounds must be at least 1")
-    print(f"# time / comm.Allreduce (same run), median [min-max] of {args.repeat} runs"
+    print(f"# {args.dtype}; time / comm.Allreduce (same run), median [min-max] of {args.repeat} runs"
           + (", schedules traced (bench --trace)" if args.trace else ""))
     print(f"# {'ranks':>5} {'size':>6} {'row':<34} {'ratio':>7}  spread          median us")
     for ranks in args.ranks:
         for size in args.sizes:
             runs = [bench(ranks, size, args.algorithms, args.iterations, args.api, args.trace,
-                          args.rounds) for _ in range(args.repeat)]
+                          args.rounds, args.dtype) for _ in range(args.repeat)]
             labels = [r["algorithm"] for r in runs[0]]
             for label in labels:
                 ratios, times = [], []
