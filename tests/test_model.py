@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-from mpiallreduce.algorithms.nodes import NODE_PHASED
-
 from mpiallreduce import algorithms, model
 from mpiallreduce.algorithms.compose import program_length
+from mpiallreduce.algorithms.nodes import NODE_PHASED
 from mpiallreduce.model import (
     DEFAULT_MACHINE,
     ROTATION_INVARIANT,

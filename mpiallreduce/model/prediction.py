@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
-
-from dataclasses import replace
 
 from .. import algorithms
 from ..algorithms.compose import check_intra, choose_inner
