@@ -254,7 +254,8 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
                          params) -> Prediction:
     """hierarchical or cascade with the shared-memory intra-node phase (:mod:`.shm_nodes`).
 
-    One epoch per node: every rank copies its input into its slot; the node's owners reduce
+    One epoch per node: every rank copies its input into its slot (in place too: ``in_place``
+    changes nothing here); the node's owners reduce
     their blocks of every slot (hierarchical: every rank a block, or the leader all of it up to
     ``shm.SMALL_BYTES``; cascade: the smallest node's size of owners); then the cross-node
     phase (:func:`_cross`: the leaders allreduce the vector, or each owner its block with the
