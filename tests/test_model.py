@@ -649,6 +649,12 @@ def test_intra_auto_predicts_what_the_plans_run():
             "closed form")
         with pytest.raises(ValueError, match="intra"):
             predict(name, 8, 4096, two_nodes, SHM_MACHINE, intra="nvlink")
+    # rank order across interleaved nodes: refused as the plans refuse it
+    interleaved = Topology.from_nodes([0, 1, 0, 1])
+    with pytest.raises(ValueError, match="consecutive ranks"):
+        predict("hierarchical", 4, 4096, interleaved, SHM_MACHINE, ordered=True)
+    assert predict("hierarchical", 4, 4096, Topology.simulated(4, 2), SHM_MACHINE,
+                   ordered=True).time > 0
 
 
 def test_node_phased_one_node_closed_form():

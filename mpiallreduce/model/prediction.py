@@ -246,8 +246,9 @@ def _cross(name: str, group: int, nbytes: int, topology: Topology, machine: Mach
                                         for level in topology.levels[1:]])
         return predict("cascade", group, nbytes, coarse, replace(machine, intra=machine.inter),
                        dtype, inner=inner, intra="p2p")
+    accepted = algorithms.REGISTRY[inner].params  # an order-keeping inner may take ordered=
     return predict(inner, group, nbytes, Topology.simulated(group, 1), machine, dtype,
-                   **({"ordered": True} if ordered else {}))
+                   **({"ordered": True} if ordered and "ordered" in accepted else {}))
 
 
 def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_place,
@@ -277,6 +278,9 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
     node = _NodeCosts(machine, dtype)
     ordered = bool(params.get("ordered"))
     hierarchical = name == "hierarchical"
+    if ordered and not topology.contiguous:  # as node_phase refuses it
+        raise ValueError(f"hierarchical keeps rank order only when every node is a block of "
+                         f"consecutive ranks; {topology!r} is not (use a commutative op)")
     small = hierarchical and size <= SMALL_BYTES
     sizes = set(topology.node_sizes)
     core = min(sizes)
