@@ -483,8 +483,8 @@ class Plan(_PlanBase):
     def steps(self, posted: list | None = None):
         """Run once, step by step: yield each step's ``(requests, bound step)`` once posted.
 
-        ``posted``: the head of :meth:`lean_program` has already loaded the buffers and started the first
-        step's requests, these; go on from there.
+        ``posted``: the head of :meth:`lean_program` has already loaded the buffers and
+        started the first step's requests, these; go on from there.
 
         The caller resumes the generator only when those requests have completed (waited,
         polled or tested: :meth:`run`, or a non-blocking request in

@@ -358,7 +358,7 @@ class _Run(Request):
                             raise
                         finally:
                             self.finished = True
-                            runs.clear()
+                            runs.remove(self)
                         return
                 finally:
                     lock.release()
