@@ -339,7 +339,8 @@ class Shape(_Known):
     """
 
     __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
-                 "allreduce", "schedule", "plan", "staged_call", "fused", "previous")
+                 "allreduce", "schedule", "plan", "run", "staged_call", "fused", "previous",
+                 "live")
 
     def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool,
                  fused: bool = False):
@@ -354,8 +355,9 @@ class Shape(_Known):
         self.schedule = schedule
         self.fused = fused  # its staged plan runs shm: the run checks the arguments itself
         self.previous = None  # the arrays of the last call through this shape, held weakly
-        self.plan = None
+        self.plan = self.run = None
         self.staged_call = None
+        self.live = True  # until the cache drops it (mar.Comm keeps shapes it found)
         if schedule:  # the call on staging buffers of its own (not the caller's arrays)
             size, dtype = call.recv.size, call.recv.dtype
             self.staged_call = replace(
@@ -375,21 +377,51 @@ class Shape(_Known):
                          weakref.ref(recvbuf))
         return False
 
+    def call(self, sendbuf, recvbuf: np.ndarray, check: bool) -> np.ndarray:
+        """Run the call on the caller's arrays (checked by :func:`fresh_arrays`), no timeout."""
+        if check and not self.fused:
+            self.agree(None)
+        if self.schedule:
+            return self.staged(sendbuf, recvbuf)
+        self.allreduce(sendbuf if sendbuf is MPI.IN_PLACE else [sendbuf, self.datatype],
+                       [recvbuf, self.datatype], self.op)
+        if self.average:
+            np.divide(recvbuf, self.nranks, out=recvbuf)
+        return recvbuf
+
     def staged(self, sendbuf, recvbuf: np.ndarray) -> np.ndarray:
-        """Run the staged plan on the caller's arrays (C-contiguous, checked by the caller)."""
+        """Run the staged plan on the caller's arrays (C-contiguous, checked by the caller).
+
+        One-dimensional arrays (the usual ``np.array([local])``) are copied by assignment,
+        which costs half of ``np.copyto`` of a reshaped view at a few elements."""
         plan = self.plan
         if plan is None:  # binding is local: no rank waits for another here
             plan = self.plan = build(self.staged_call, self.state, explicit=False,
                                      persistent=True, timeout=None)
-        if plan.sendbuf is None:
-            np.copyto(plan.recvbuf, recvbuf.reshape(-1))
+            # without deadline, as CallEntry.direct: the cache drops the shape before its plan
+            # is freed or the communicator breaks
+            if fused(plan):
+                self.run = plan.direct
+            elif isinstance(plan, Plan) and plan._fast is not None:
+                self.run = partial(_call_each, plan._fast)
+            else:
+                self.run = plan.run
+        stage = plan.recvbuf if plan.sendbuf is None else plan.sendbuf
+        source = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
+        flat = recvbuf.ndim == 1
+        if flat:
+            stage[...] = source
         else:
-            np.copyto(plan.sendbuf, sendbuf.reshape(-1))
-        plan.run()
-        np.copyto(recvbuf.reshape(-1), plan.recvbuf)
+            np.copyto(stage, source.reshape(-1))
+        self.run()
+        if flat:
+            recvbuf[...] = plan.recvbuf
+        else:
+            np.copyto(recvbuf.reshape(-1), plan.recvbuf)
         return recvbuf
 
     def free(self) -> None:
+        self.live = False
         if self.plan is not None:
             self.plan.free()
 
@@ -431,27 +463,35 @@ def cacheable(sendbuf, recvbuf, call: Call) -> bool:
 
 
 def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bool,
-             timeout: float | None) -> np.ndarray:
+             timeout: float | None, allocated: bool = False) -> np.ndarray:
     """Run a checked one-shot allreduce, through a cached plan when ``cache``.
 
-    A call with plain arrays is also remembered by its shape (:class:`Shape`).
+    A call with plain arrays is also remembered by its shape (:class:`Shape`), and so is one
+    whose result the caller left to mpiallreduce (``allocated``), which is never cached itself.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     if cache:
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
-        comm, sendbuf, recvbuf, op, topology = objects
-        native = isinstance(plan, NativePlan)
-        if (native and len(plan.pieces) == 1) or (not native and call.recv.nbytes <= STAGE_BYTES):
-            state.calls.put_shape(
-                shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
-                Shape(call, state, (comm, op, topology), schedule=not native,
-                      fused=fused(plan)))
+        _remember_shape(state, call, objects, plan)
         if state.calls.put(key, CallEntry(call, plan, state, objects)):
             return plan.run(timeout)
         plan.free()
     plan = build(call, state, explicit=False, persistent=False, timeout=None, deadline=deadline,
                  borrow_scratch=True)
+    if allocated:
+        _remember_shape(state, call, objects, plan)
     try:
         return plan.run(timeout)
     finally:
         plan.free()
+
+
+def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
+    """Keep the call's shape where a call like it can run through one: native in one piece, or a
+    schedule of at most :data:`STAGE_BYTES` (staged)."""
+    comm, sendbuf, recvbuf, op, topology = objects
+    native = isinstance(plan, NativePlan)
+    if (native and len(plan.pieces) == 1) or (not native and call.recv.nbytes <= STAGE_BYTES):
+        state.calls.put_shape(
+            shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
+            Shape(call, state, (comm, op, topology), schedule=not native, fused=fused(plan)))

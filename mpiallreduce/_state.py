@@ -57,7 +57,8 @@ SCRATCH_BYTES = _env_int("MPIALLREDUCE_SCRATCH_BYTES", 64 << 20)
 #: dictionary lookup finds a repeated call's plan, its communicator state included.
 CALLS: dict = {}
 #: the entry last bound to each recvbuf, by ``id(recvbuf)``: a repeated call finds its plan here
-#: by comparing objects, without building and hashing the full key.
+#: by comparing objects, without building and hashing the full key. Present for every recvbuf
+#: some entry of :data:`CALLS` holds (``CallCache`` keeps it so), so a miss means no entry.
 LAST: dict = {}
 #: one-shot calls by their shape rather than their arrays (``id`` of comm, op and
 #: topology, algorithm, dtype, count, in place, parameters): a code that allocates a fresh
@@ -123,7 +124,13 @@ class CallCache:
         if CALLS.get(key) is entry:
             del CALLS[key]
         if LAST.get(key[2]) is entry:
+            # LAST holds an entry for every recvbuf some entry holds (a miss there means no
+            # entry holds it, and the call skips the lookup of its full key): another one's
             del LAST[key[2]]
+            for other_key, other in CALLS.items():
+                if other_key[2] == key[2]:
+                    LAST[key[2]] = other
+                    break
         entry.free()
 
     def clear(self) -> None:

@@ -40,7 +40,9 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     The plan bound on the first call is kept (per communicator, bounded; docs/usage.md, "Call cost")
     and reused while the same array objects, op, algorithm, topology and parameters come back
     with the same shape and dtype: a repeated call costs the agreement check (if ``check``) and
-    the run. Pass ``recvbuf`` to benefit: a result allocated per call is never cached.
+    the run. Pass ``recvbuf`` to benefit most: a result allocated per call is never cached,
+    though a small one (up to 64 KiB, C-contiguous NumPy input) is remembered by its shape, as
+    calls with fresh arrays are, and costs a staging copy more than a cached call.
 
     Args:
         sendbuf: C- or Fortran-contiguous array (or buffer-protocol / CPU DLPack object), or
@@ -80,6 +82,14 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         comm = _WORLD
     if timeout is not None and type(timeout) not in (int, float):
         timeout = plain_timeout(timeout)
+    if recvbuf is None and type(sendbuf) is np.ndarray and sendbuf.nbytes <= _plans.STAGE_BYTES \
+            and sendbuf.flags.c_contiguous:
+        # ``total = mar.allreduce(local)``: the result array is made here, as the cold path
+        # would, so that a call like an earlier one is known by its shape (a fresh array per
+        # call) instead of set up again (~200 us at 8 bytes)
+        recvbuf = allocated = np.empty_like(sendbuf)
+    else:
+        allocated = None
     # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
     key = None
     entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
@@ -88,14 +98,14 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         if objects[1] is not sendbuf or objects[3] is not op or objects[0] is not comm \
                 or objects[4] is not topology or entry.algorithm != algorithm \
                 or entry.params != params:
-            entry = None
-    if entry is None:
-        key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
-               tuple(params.items()) if params else ())
-        try:
-            entry = CALLS.get(key)
-        except TypeError:  # a parameter value that cannot be hashed: no caching
-            entry = key = None
+            # another entry may hold recvbuf with other objects (without one, LAST holds none
+            # for it: CallCache keeps it so, and a fresh array per call skips this lookup)
+            key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
+                   tuple(params.items()) if params else ())
+            try:
+                entry = CALLS.get(key)
+            except TypeError:  # a parameter value that cannot be hashed: no caching
+                entry = key = None
     # The entry holds the objects of its key alive, so equal ids are the same objects. Freeing
     # the communicator or a timeout on it drops its entries (CommState), and a plan reads its
     # arrays as flat memory, so only an element type assigned since (x.dtype = ...) rebinds.
@@ -118,26 +128,23 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
                                             params))
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf) \
                 and not shape.again(sendbuf, recvbuf):
-            if check and not shape.fused:
-                shape.agree(None)
-            if shape.schedule:
-                return shape.staged(sendbuf, recvbuf)
-            shape.allreduce(sendbuf if sendbuf is MPI.IN_PLACE else [sendbuf, shape.datatype],
-                            [recvbuf, shape.datatype], shape.op)
-            if shape.average:
-                np.divide(recvbuf, shape.nranks, out=recvbuf)
-            return recvbuf
+            return shape.call(sendbuf, recvbuf, check)
     call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
         checks_itself=_plans.checks_itself)
     if call.recv.size == 0:
         return call.recv
-    if key is None and entry is not None:  # LAST's entry, with a new dtype: bind again
+    if key is None:  # not looked up (no entry held recvbuf), or LAST's with a new dtype
         key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
                tuple(params.items()) if params else ())
-    cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
+        try:
+            hash(key)
+        except TypeError:  # a parameter value that cannot be hashed: no caching
+            key = None
+    # a result made here is remembered by its shape only: the cache holds no caller's arrays
+    cache = key is not None and allocated is None and _plans.cacheable(sendbuf, recvbuf, call)
     return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
-                           cache, timeout)
+                           cache, timeout, allocated=allocated is not None)
 
 
 def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
