@@ -28,19 +28,21 @@ out. One or two ranks need none of this (:data:`PAIR_RANKS`: two contributions a
 in either order alike), and one float64 value on at most :data:`GATHER_RANKS` ranks is summed
 exactly from the gathered values.
 
-**Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): one unit for the whole global
-vector, from its largest magnitude, agreed with one small ``Allreduce(MAX)`` that also checks the
-arguments; each rank rounds its values to multiples of ``2**u`` and accumulates them exactly
-(int64 partial sums of at most LOCAL_CHUNK values, then Python integers), and the ranks sum 4
-words of 42 bits. The result depends on the global vector only, never on its split over ranks.
+**Whole vectors** (:func:`sum`, :func:`dot`, :func:`norm2`): each rank reduces its part to its
+*exact* sum, an integer number of ``2**-1074`` (:mod:`._exact`: compiled with Numba where the
+``fast`` extra is installed, else NumPy; both exact, so ranks may differ in which they run),
+and the ranks sum those integers as 54 words of 40 bits, with 5 flags for the special values,
+in one integer SUM after the argument check. The result is the exact sum of the global
+vector's values (for ``dot``/``norm2``: of its products, each rounded once in float64) rounded
+once: it depends on the global vector only, never on its split over ranks.
 
-Accuracy (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, or
-``e_max - 42`` for float32 elementwise): a contribution that is a multiple of ``2**u`` (every
-one of magnitude at least ``2**(e_max-32)``; float32 elementwise ``2**(e_max-19)``) is
-converted exactly, and if all are, the result is the correctly rounded sum (``math.fsum``).
-Otherwise each contribution is rounded to nearest to a multiple of ``2**u``: the error is at
-most ``count * 2**(u-1)`` plus half an ulp of the result. At one or two ranks, and for one
-float64 value on at most GATHER_RANKS ranks, the result is the correctly rounded sum always.
+Accuracy, elementwise (``2**(e_max-1) <= largest magnitude < 2**e_max``, ``u = e_max - 84``, or
+``e_max - 42`` for float32): a contribution that is a multiple of ``2**u`` (every one of
+magnitude at least ``2**(e_max-32)``; float32 ``2**(e_max-19)``) is converted exactly, and if
+all are, the result is the correctly rounded sum (``math.fsum``). Otherwise each contribution is
+rounded to nearest to a multiple of ``2**u``: the error is at most ``count * 2**(u-1)`` plus
+half an ulp of the result. At one or two ranks, and for one float64 value on at most
+GATHER_RANKS ranks, the result is the correctly rounded sum always; whole vectors always.
 Special values follow IEEE addition: a NaN anywhere gives NaN, +inf
 with -inf gives NaN, infinities of one sign give that infinity, a true sum beyond the largest
 float gives an infinity of its sign, and -0 only when every contribution is -0. NaN results are
@@ -60,7 +62,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import _plans, shm
+from . import _exact, _plans, shm
 from ._agree import Signature, agree, prepare
 from ._checks import ALGORITHMS, allreduce_call
 from ._state import CALLS, LAST
@@ -725,147 +727,56 @@ def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, time
 
 # -- whole vectors: sum, dot, norm2 ----------------------------------------------------------------
 
-#: fraction bits below a whole vector's largest magnitude (as the float64 elementwise format).
-VECTOR_BITS = 2 * WORD_BITS
-#: words of 42 bits in which each rank's exact local total crosses to the others.
-VECTOR_WORDS = 4
-_NO_EXPONENT = -1200  # the exponent field of an empty or all-zero component: below any value's
+#: bits of each word in which a rank's exact local total crosses to the others (23 bits of
+#: carry headroom: MAX_CONTRIBUTIONS ranks' words sum below 2**63).
+EXACT_WORD_BITS = 40
+#: words per component: 2160 bits, above any exact total of fewer than 2**60 float64 values
+#: (``|total| < count * 2**(1024 + 1074)`` in units of 2**-1074).
+EXACT_WORDS = 54
+#: added to every rank's total so that its words are never negative (taken off times p after).
+_BIAS = 1 << (EXACT_WORD_BITS * EXACT_WORDS - 1)
+#: per component after its words: NaN, +inf, -inf, a value other than -0, any value at all
+#: (each rank's 0 or 1, summed)
+_FLAGS = 5
 _KINDS = ("sum", "dot", "norm2")
-#: per component: exponent, NaN, +inf, -inf, a value other than -0, any value at all
-_COMPONENT_FIELDS = 6
 
 
 class _Term:
-    """One term of a component: ``sign * left`` or ``sign * left * right`` elementwise in
-    float64 (exact for float32 input), made chunk by chunk: no full-size temporary."""
+    """One term of a component: ``sign * left`` or ``sign * left * right`` elementwise, each
+    product rounded once in float64 (exact for float32 input)."""
 
     def __init__(self, left: np.ndarray, right: np.ndarray | None = None, sign: int = 1):
-        self.left, self.right, self.sign, self.size = left, right, sign, left.size
-
-    def chunks(self, buffer: np.ndarray):
-        """Yield the term's values, LOCAL_CHUNK at a time (views where no arithmetic is needed)."""
-        for start in range(0, self.size, LOCAL_CHUNK):
-            left = self.left[start:start + LOCAL_CHUNK]
-            out = buffer[:left.size]
-            if self.right is not None:
-                np.multiply(left, self.right[start:start + LOCAL_CHUNK], out=out, dtype=np.float64)
-            elif left.dtype == np.float64:
-                out = left
-            else:
-                np.copyto(out, left)
-            yield out
+        self.left, self.right, self.sign = left, right, sign
 
 
-def _component_stats(terms: list[_Term], buffer: np.ndarray) -> list[int]:
-    """This rank's fields of one component (see _COMPONENT_FIELDS)."""
-    nan, positive, negative, nonzero_sign, nonempty = 0, 0, 0, 0, 0
-    largest = 0.0
-    for term in terms:
-        for values in term.chunks(buffer):
-            nonempty = 1
-            top, bottom = float(values.max()), float(values.min())
-            if math.isnan(top) or math.isnan(bottom):
-                nan = 1
-                continue
-            if top == math.inf:
-                positive, negative = (1, negative) if term.sign > 0 else (positive, 1)
-            if bottom == -math.inf:
-                positive, negative = (positive, 1) if term.sign > 0 else (1, negative)
-            largest = max(largest, abs(top), abs(bottom))
-            if top != 0.0 or bottom != 0.0:
-                nonzero_sign = 1
-            elif not nonzero_sign:  # only zeros: a contribution is -0 where sign * value is
-                signs = np.signbit(values)
-                if not (signs.all() if term.sign > 0 else not signs.any()):
-                    nonzero_sign = 1
-    exponent = _NO_EXPONENT
-    if largest > 0.0 and math.isfinite(largest):
-        exponent = math.frexp(largest)[1]  # 2**(exponent-1) <= largest < 2**exponent
-    return [exponent, nan, positive, negative, nonzero_sign, nonempty]
+def _encode(total: int, out: np.ndarray) -> None:
+    """``total + _BIAS`` as EXACT_WORDS words of 40 bits (little-endian bytes, no Python loop)."""
+    raw = (total + _BIAS).to_bytes(EXACT_WORDS * 5, "little")
+    words = out.view(np.uint8).reshape(EXACT_WORDS, 8)
+    words[:, :5] = np.frombuffer(raw, np.uint8).reshape(EXACT_WORDS, 5)
+    words[:, 5:] = 0  # (the buffer held the last call's sums)
 
 
-#: the largest unit for which the rounding constants below stay finite (1.5 * 2**(94 + u)).
-_TOP_UNIT = 928
-
-
-def _local_total(terms: list[_Term], unit: int, buffer: np.ndarray) -> int:
-    """The exact sum of ``sign * round(value * 2**-unit)`` over every term, as a Python int.
-
-    Two roundings by addition (Demmel and Nguyen's extraction): ``hi = value + 1.5 * 2**(94+u)``
-    rounds the value to a multiple of 2**(42+u) and holds that multiple, plus a constant, in its
-    low bits; the remainder, at most 2**(41+u), is rounded to a multiple of 2**u the same way
-    with ``1.5 * 2**(52+u)``. The int64 views of those sums are summed (wrapping, then the
-    constants are taken off modulo 2**64: exact, as LOCAL_CHUNK values sum below 2**62). Six
-    passes over the data, none converting between integers and floats.
-    """
-    total = 0
-    scale = 1.0
-    if unit > _TOP_UNIT:  # values near the largest float: scale down first (exact on the grid)
-        scale, unit = 2.0 ** (_TOP_UNIT - unit), _TOP_UNIT
-    high = 1.5 * 2.0 ** (2 * WORD_BITS + 52 - WORD_BITS + unit)  # ulp 2**(42+u)
-    low = 1.5 * 2.0 ** (52 + unit)  # ulp 2**u
-    high_bits = int(np.float64(high).view(np.int64))
-    low_bits = int(np.float64(low).view(np.int64))
-    top, rest = np.empty(buffer.size), np.empty(buffer.size)
-    for term in terms:
-        for chunk in term.chunks(buffer):
-            count = chunk.size
-            t, r = top[:count], rest[:count]
-            if scale != 1.0:
-                np.multiply(chunk, scale, out=r)
-                chunk = r
-            np.add(chunk, high, out=t)
-            upper = (int(np.add.reduce(t.view(np.int64))) - count * high_bits) % (1 << 64)
-            np.subtract(t, high, out=t)  # the multiple of 2**(42+u), exact
-            np.subtract(chunk, t, out=r)  # the remainder, exact
-            np.add(r, low, out=r)
-            lower = (int(np.add.reduce(r.view(np.int64))) - count * low_bits) % (1 << 64)
-            part = (_signed(upper) << WORD_BITS) + _signed(lower)
-            total += part if term.sign > 0 else -part
-    return total
-
-
-def _signed(value: int) -> int:
-    """A 64-bit two's complement value as a Python int."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _round(total: int, unit: int, fmt: _Format) -> float:
-    """``total * 2**unit`` rounded to nearest (ties to even) in ``fmt``, as a Python float."""
-    if total == 0:
-        return 0.0
-    magnitude = abs(total)
-    kept_unit = max(unit + magnitude.bit_length() - fmt.mantissa, fmt.min_unit)
-    if kept_unit > unit:
-        drop = kept_unit - unit
-        kept = magnitude >> drop
-        rest = magnitude - (kept << drop)
-        half = 1 << (drop - 1)
-        if rest > half or (rest == half and kept & 1):
-            kept += 1
-        magnitude, unit = kept, kept_unit
-    if magnitude.bit_length() + unit > fmt.max_exponent:
-        value = math.inf
-    else:
-        value = math.ldexp(float(magnitude), unit)  # exact: at most fmt.mantissa bits
-    return -value if total < 0 else value
-
-
-def _words(total: int) -> list[int]:
-    """``total`` as VECTOR_WORDS words of 42 bits, the last one signed (sums of p < 2**21 fit)."""
-    mask = (1 << WORD_BITS) - 1
-    words = [(total >> (WORD_BITS * k)) & mask for k in range(VECTOR_WORDS - 1)]
-    return words + [total >> (WORD_BITS * (VECTOR_WORDS - 1))]
+def _decode(words: np.ndarray, nranks: int) -> int:
+    """The sum of ``nranks`` totals from their summed words (each below 2**63): the even and
+    the odd words laid out 10 bytes apart do not overlap, so two ``int.from_bytes`` read them."""
+    pairs = np.ascontiguousarray(words, "<i8").view(np.uint8).reshape(EXACT_WORDS // 2, 16)
+    spread = np.zeros((2, EXACT_WORDS // 2, 10), np.uint8)
+    spread[0, :, :8] = pairs[:, :8]
+    spread[1, :, :8] = pairs[:, 8:]
+    even = int.from_bytes(spread[0].tobytes(), "little")
+    odd = int.from_bytes(spread[1].tobytes(), "little")
+    return even + (odd << EXACT_WORD_BITS) - nranks * _BIAS
 
 
 def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[tuple]:
-    """Agree on the arguments, then on each component's largest exponent, then sum exactly.
+    """Agree on the arguments, then sum every rank's exact local totals.
 
     The argument check every call makes (:func:`._agree.agree`: one constant-size
-    ``Allreduce(MAX)``, so a rank whose call differs gets the same error as the others), one
-    ``Allreduce(MAX)`` of 12 int64 (two components' fields) and one integer SUM of the local
-    totals' words. Returns per component (total, unit, nan, +inf, -inf, any value other than
-    -0, any value).
+    ``Allreduce(MAX)``, so a rank whose call differs gets the same error as the others) and one
+    integer SUM of each component's 54 words and 5 flags (:mod:`._exact` makes the totals).
+    Returns per component (total, unit -1074, nan, +inf, -inf, any value other than -0, any
+    value).
     """
     from . import api
     from ._agree import FIELDS, bad_signature
@@ -890,35 +801,47 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
         signature = Signature(fields)
         if error is None:
             cache[what, np.dtype(dtype), algorithm] = signature
+    # after the agreement every rank has the same kind and dtype, so the same components
     agree(state.checker, what, signature, error, ALGORITHMS)
-    largest = max((term.size for terms in components for term in terms), default=0)
-    buffer = np.empty(min(largest, LOCAL_CHUNK))
-    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN products, as IEEE
-        stats = [_component_stats(terms, buffer) for terms in components]
-    # always two components' fields (real and imaginary), so every rank sends the same count
-    stats += [[_NO_EXPONENT, 0, 0, 0, 0, 0]] * (2 - len(stats))
-    agreed = _buffer(cache, "stats", 2 * _COMPONENT_FIELDS)
-    agreed[:] = [value for component in stats for value in component]
-    api.allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX, comm=comm, check=False)
-    flat_stats = agreed.tolist()  # Python ints from here: NumPy scalars cost a call each
-    agreed_stats = [flat_stats[k:k + _COMPONENT_FIELDS]
-                    for k in range(0, _COMPONENT_FIELDS * len(components), _COMPONENT_FIELDS)]
-    units = [max(row[0] - VECTOR_BITS, -1074) for row in agreed_stats]
-    # a component with an inf or NaN anywhere is that special value: its total is not needed
-    with np.errstate(over="ignore", invalid="ignore"):
-        totals = [0 if any(row[1:4]) else _local_total(terms, unit, buffer)
-                  for terms, unit, row in zip(components, units, agreed_stats)]
-    words = _buffer(cache, "words", VECTOR_WORDS * len(totals))
-    words[:] = [w for total in totals for w in _words(total)]
+    width = EXACT_WORDS + _FLAGS
+    words = _buffer(cache, "exact", width * len(components))
+    for index, terms in enumerate(components):
+        component = _exact.Total()
+        for term in terms:
+            component.add(_exact.term_total(term.left, term.right), term.sign)
+        part = words[index * width:(index + 1) * width]
+        # with a NaN or an infinity the component is that special value: its total is not needed
+        _encode(0 if component.special() else component.total, part[:EXACT_WORDS])
+        part[EXACT_WORDS:] = component.flags()
     api.allreduce(MPI.IN_PLACE, words, comm=comm, algorithm=algorithm, check=False)
-    summed = words.tolist()
+    nranks = comm.Get_size()
     results = []
-    for index, row in enumerate(agreed_stats):
-        total = 0
-        for k, word in enumerate(summed[index * VECTOR_WORDS:(index + 1) * VECTOR_WORDS]):
-            total += word << (WORD_BITS * k)
-        results.append((total, units[index], *row[1:]))
+    for index in range(len(components)):
+        part = words[index * width:(index + 1) * width]
+        flags = [int(count > 0) for count in part[EXACT_WORDS:].tolist()]
+        results.append((_decode(part[:EXACT_WORDS], nranks), -1074, *flags))
     return results
+
+
+def _round(total: int, unit: int, fmt: _Format) -> float:
+    """``total * 2**unit`` rounded to nearest (ties to even) in ``fmt``, as a Python float."""
+    if total == 0:
+        return 0.0
+    magnitude = abs(total)
+    kept_unit = max(unit + magnitude.bit_length() - fmt.mantissa, fmt.min_unit)
+    if kept_unit > unit:
+        drop = kept_unit - unit
+        kept = magnitude >> drop
+        rest = magnitude - (kept << drop)
+        half = 1 << (drop - 1)
+        if rest > half or (rest == half and kept & 1):
+            kept += 1
+        magnitude, unit = kept, kept_unit
+    if magnitude.bit_length() + unit > fmt.max_exponent:
+        value = math.inf
+    else:
+        value = math.ldexp(float(magnitude), unit)  # exact: at most fmt.mantissa bits
+    return -value if total < 0 else value
 
 
 def _buffer(cache: dict, name: str, size: int) -> np.ndarray:
@@ -971,15 +894,14 @@ def sum(local, comm=None, algorithm: str = "auto"):  # noqa: A001 - the public n
         local: this rank's part of the global vector (any shape; float32, float64, complex64
             or complex128; the same dtype on every rank, any length, empty allowed).
         comm: the communicator (default ``MPI.COMM_WORLD``).
-        algorithm: how the 4 words of each rank's exact total are summed (any gives the same).
+        algorithm: how the words of each rank's exact total are summed (any gives the same).
 
     Returns:
-        The sum as a NumPy scalar of the dtype: correctly rounded when every element lies
-        within 31 binades of the largest, else within ``N * 2**(e_max - 84)`` (docs/usage.md,
-        "Reproducible sums").
+        The sum as a NumPy scalar of the dtype: the exact sum correctly rounded, IEEE special
+        values as addition gives them (docs/usage.md, "Reproducible sums").
 
-    Cost: two passes for the largest magnitude, six for the exact local total (in chunks that
-    stay in cache), an ``Allreduce(MAX)`` of a few int64 and a SUM of 32 bytes per component.
+    Cost: one compiled pass over the data (Numba; about 12 NumPy passes without it, in chunks
+    that stay in cache), the argument check and one integer SUM of 472 bytes per component.
     """
     values, error = _vector(local, "local")
     dtype = values.dtype if values is not None else np.dtype(np.float64)

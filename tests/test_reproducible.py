@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import reproducible
+from mpiallreduce import _exact, reproducible
 from mpiallreduce.reproducible import FORMATS, MAX_CONTRIBUTIONS, _round, check, word_bits
 
 F64, F32 = FORMATS[np.dtype(np.float64)], FORMATS[np.dtype(np.float32)]
@@ -97,3 +97,87 @@ def test_sum_of_subnormals_and_of_opposite_extremes_is_exact():
     assert mar.sum(np.ones(3, dtype=np.float32), comm=MPI.COMM_SELF).dtype == np.float32
     assert mar.norm2(np.array([3 + 4j]), comm=MPI.COMM_SELF) == 5.0
     assert mar.dot(np.array([1 + 2j]), np.array([3 - 1j]), comm=MPI.COMM_SELF) == (1 + 2j) * (3 - 1j)
+
+
+# -- the exact local totals of mar.sum / mar.dot / mar.norm2 (both forms) -------------------------
+
+FORMS = ["numpy", pytest.param("numba", marks=pytest.mark.skipif(
+    not _exact.available(), reason="Numba not installed (the fast extra)"))]
+
+
+def _form(name):
+    return _exact._numpy_total if name == "numpy" else _exact._numba_kernel()
+
+
+def _exact_units(values: np.ndarray) -> int:
+    """The exact sum in units of 2**-1074, by rationals."""
+    total = sum((Fraction(float(v)) for v in values), Fraction(0)) * 2 ** 1074
+    assert total.denominator == 1
+    return total.numerator
+
+
+def _hard_vectors():
+    """Wide spans, blocks whose magnitudes jump (the compiled form's guessed unit), the
+    largest floats beside the smallest, subnormals, cancellation, zeros of both signs."""
+    rng = np.random.default_rng(3)
+    block = _exact.BLOCK
+    spans = rng.standard_normal(5000) * 2.0 ** rng.integers(-1074, 1000, 5000)
+    jumps = np.concatenate([rng.standard_normal(block) * 2.0 ** e for e in (0, 40, -60, 900, -1070)])
+    top = np.array([2.0 ** 1023 * 1.999, -2.0 ** 1023, 2.0 ** 1000, 5e-324, -2.0 ** -1060, 3.0])
+    mixed = np.concatenate([top, rng.standard_normal(block + 3)])
+    cancel = np.concatenate([rng.standard_normal(3000), -rng.standard_normal(3000)[::-1]])
+    cancel = np.concatenate([cancel, -cancel, [2.0 ** -1074]])
+    subnormal = rng.integers(-(1 << 52), 1 << 52, 4000) * 2.0 ** -1074
+    zeros = np.array([0.0, -0.0, -0.0])
+    return {"spans": spans, "jumps": jumps, "top": top, "mixed": mixed, "cancel": cancel,
+            "subnormal": subnormal, "zeros": zeros, "one": np.array([-7.25]),
+            "empty": np.array([])}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", list(_hard_vectors()))
+def test_exact_totals_are_exact(form, case):
+    """Each form's local total is the exact sum (so the two forms, and any split, agree)."""
+    values = _hard_vectors()[case]
+    found = _form(form)(values, None)
+    assert found.total == _exact_units(values)
+    not_negative_zero = bool(np.any((values != 0) | ~np.signbit(values)))
+    assert found.flags() == [0, 0, 0, int(not_negative_zero), int(values.size > 0)]
+    halves = values.size // 2  # products: each rounded once in float64, then summed exactly
+    x, y = values[:halves], values[halves:2 * halves][::-1].copy()
+    with np.errstate(over="ignore", under="ignore"):
+        products = x * y
+    if np.all(np.isfinite(products)):
+        assert _form(form)(x, y).total == _exact_units(products)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exact_totals_of_float32_and_strided_input(form, dtype):
+    rng = np.random.default_rng(4)
+    z = (rng.standard_normal(3 * _exact.BLOCK + 5) + 1j * rng.standard_normal(3 * _exact.BLOCK + 5))
+    z = z.astype(np.complex64 if dtype == np.float32 else np.complex128)
+    real, imag = z.real, z.imag  # strided views
+    assert _form(form)(real, None).total == _exact_units(real.astype(np.float64))
+    assert _form(form)(real, imag).total == _exact_units(
+        real.astype(np.float64) * imag.astype(np.float64))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_exact_totals_flag_the_special_values(form):
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal(2 * _exact.BLOCK)
+    for where, value, want in ((7, np.nan, [1, 0, 0]), (_exact.BLOCK + 1, np.inf, [0, 1, 0]),
+                               (3, -np.inf, [0, 0, 1])):
+        values = base.copy()
+        values[where] = value
+        assert _form(form)(values, None).flags()[:3] == want
+    both = base.copy()
+    both[[2, _exact.BLOCK + 9]] = [np.inf, -np.inf]
+    assert _form(form)(both, None).flags()[:3] == [0, 1, 1]
+    total = _exact.Total()
+    total.add(_form(form)(np.array([np.inf]), None), -1)  # a negated term: -inf
+    assert total.flags()[:3] == [0, 0, 1]
+    zeros = _exact.Total()
+    zeros.add(_form(form)(np.array([0.0, 0.0]), None), -1)  # -(+0): every contribution -0
+    assert zeros.flags()[3:] == [0, 1]

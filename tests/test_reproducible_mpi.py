@@ -517,8 +517,9 @@ def test_million_values_with_heavy_cancellation_match_fsum():
     assert bits(got) == bits(mar.sum(values, comm=MPI.COMM_SELF))
 
 
-def test_sum_beyond_the_range_keeps_its_bound():
-    """Magnitudes 2**-1000..2**1000 and subnormals: |error| <= N * 2**(e_max - 84) + ulp/2."""
+def test_sum_over_the_whole_range_is_correctly_rounded():
+    """Magnitudes 2**-1000..2**1000 and subnormals: the exact sum, rounded once (before the
+    local totals were exact, the error was bounded by N * 2**(e_max - 84) + ulp/2)."""
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(12)
     values = rng.standard_normal(20_000) * np.exp2(rng.integers(-1000, 1000, 20_000))
@@ -527,10 +528,28 @@ def test_sum_beyond_the_range_keeps_its_bound():
     start, stop = block(values.size, comm.size, comm.rank)
     got = float(mar.sum(values[start:stop], comm=comm))
     exact = np.add.reduce([Fraction(float(v)) for v in values])
-    e_max = math.frexp(float(np.abs(values).max()))[1]
-    assert abs(Fraction(got) - exact) <= (values.size * Fraction(2) ** (e_max - 84)
-                                          + Fraction(math.ulp(got)) / 2)
+    assert got == rounded(exact, np.float64)
     assert got == float(mar.sum(values, comm=MPI.COMM_SELF))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ranks_with_and_without_the_compiled_form_agree(monkeypatch, dtype):
+    """Odd ranks make their totals with NumPy, even ones compiled (where Numba is installed):
+    the totals are exact, so the bits are those of one rank alone."""
+    from mpiallreduce import _exact
+
+    comm = MPI.COMM_WORLD
+    x = global_vector(3 * _exact.BLOCK + 11, dtype, span=40)
+    y = global_vector(3 * _exact.BLOCK + 11, dtype, seed=8, span=40)
+    alone = (bits(mar.sum(x, comm=MPI.COMM_SELF)), bits(mar.dot(x, y, comm=MPI.COMM_SELF)),
+             bits(mar.norm2(x, comm=MPI.COMM_SELF)))
+    if comm.rank % 2:
+        monkeypatch.setattr(_exact, "_KERNEL", [None])
+    for start, stop in splits(comm, x.size):
+        got = (bits(mar.sum(x[start:stop], comm=comm)),
+               bits(mar.dot(x[start:stop], y[start:stop], comm=comm)),
+               bits(mar.norm2(x[start:stop], comm=comm)))
+        assert got == alone
 
 
 def test_vector_special_values():

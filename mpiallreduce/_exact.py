@@ -1,0 +1,202 @@
+"""Exact sums of float64 values on one rank: the local part of :func:`mpiallreduce.sum`,
+:func:`~mpiallreduce.dot` and :func:`~mpiallreduce.norm2`.
+
+A term (``sign * left`` or ``sign * left * right`` elementwise, each product rounded once in
+float64, exact for float32 input) is reduced to its *exact* sum, an integer number of
+``2**-1074`` (every float64 is a multiple of it), and two integers that say which special
+values it holds (:class:`Total`). Because the sum is exact, it does not depend on how the
+values are split over ranks, chunks or blocks, nor on which of the two implementations below
+computed it: ranks may even differ in whether Numba is installed.
+
+How: per block of values, the largest magnitude ``2**(e-1) <= m < 2**e`` sets a unit
+``u = e - 84``; two additions of rounding constants (``hi = (v + 1.5 * 2**(94+u)) - ...``, then
+the same with ``1.5 * 2**(52+u)`` on ``v - hi``; Demmel and Nguyen's extraction) split each value
+into a multiple of ``2**(42+u)`` and one of ``2**u`` whose int64 bit patterns are summed, and
+what is left below ``2**u`` (the residual, exact) goes round again with its own unit until
+nothing is left (values 32 binades below a block's largest need a second round; zeros never do).
+Values of ``2**1000`` and more are scaled by ``2**-128`` first (exact wherever the scaled value
+is; the others go round unscaled).
+
+- **NumPy** (always there): 12 passes over chunks of ``CHUNK`` values that stay in cache.
+- **Numba** (``pip install mpiallreduce[fast]``, used when it imports; ``MPIALLREDUCE_NUMBA=0``
+  turns it off): one compiled pass per block of ``BLOCK`` values, products buffered, the
+  rounds accumulated in a carry-save integer of 30-bit digits. About 2x ``np.dot``'s time for
+  a dot product, against ~15x for the NumPy form (docs/usage.md, "Reproducible sums").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+#: values per NumPy chunk (two 128 KiB work arrays: in L2).
+CHUNK = 1 << 14
+#: values per Numba block (products buffered in 128 KiB).
+BLOCK = 1 << 14
+#: bit patterns: the sign bit, +inf's (anything above, in magnitude, is a NaN).
+_SIGN = 1 << 63
+_INF_BITS = 0x7FF0000000000000
+_NONE = -(1 << 63)  # the max of no bit patterns
+#: a value whose block's largest is at or above 2**(HUGE_EXPONENT - 1) is scaled by 2**-SCALE.
+HUGE_EXPONENT = 1001
+SCALE = 128
+#: 30-bit digits of the Numba accumulator: weights 2**(30k - 1074) up to 2**(2160 - 1074).
+DIGITS = 72
+
+
+class Total:
+    """One term's (or component's) exact sum ``total * 2**-1074`` and, from the bit patterns of
+    its values, ``most`` = max over values of their bits as signed int64 and ``least_negated``
+    = the same for the negated values (:meth:`flags` derives the IEEE specials from them),
+    and whether it had any value."""
+
+    __slots__ = ("total", "most", "most_negated", "count")
+
+    def __init__(self, total: int = 0, most: int = _NONE, most_negated: int = _NONE,
+                 count: int = 0):
+        self.total, self.most, self.most_negated, self.count = total, most, most_negated, count
+
+    def add(self, other: Total, sign: int) -> None:
+        """Add ``sign * other`` (a negated term swaps what its values' signs say)."""
+        most, negated = ((other.most, other.most_negated) if sign > 0
+                         else (other.most_negated, other.most))
+        self.total += other.total if sign > 0 else -other.total
+        self.most = max(self.most, most)
+        self.most_negated = max(self.most_negated, negated)
+        self.count += other.count
+
+    def flags(self) -> list[int]:
+        """[NaN, +inf, -inf, a value other than -0, any value], each 0 or 1."""
+        most, negated = self.most, self.most_negated
+        nan = int(max(most, negated) > _INF_BITS)
+        return [nan, int(not nan and most == _INF_BITS), int(not nan and negated == _INF_BITS),
+                int(most >= 0 or negated > 0), int(self.count > 0)]
+
+    def special(self) -> bool:
+        """Whether it holds a NaN or an infinity (its sum is then not needed)."""
+        return max(self.most, self.most_negated) >= _INF_BITS
+
+
+def term_total(left: np.ndarray, right: np.ndarray | None) -> Total:
+    """The exact sum of ``left`` (``left * right`` rounded to float64, if given) and its bits."""
+    kernel = _numba_kernel()
+    if kernel is not None and left.size:
+        return kernel(left, right)
+    return _numpy_total(left, right)
+
+
+# -- NumPy ---------------------------------------------------------------------------------------
+
+def _numpy_total(left: np.ndarray, right: np.ndarray | None) -> Total:
+    result = Total(count=left.size)
+    size = min(left.size, CHUNK)
+    values, work, rest = np.empty(size), np.empty(size), np.empty(size)
+    special = False
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, left.size, CHUNK):
+            chunk = left[start:start + CHUNK]
+            v = values[:chunk.size]
+            if right is not None:
+                np.multiply(chunk, right[start:start + CHUNK], out=v, dtype=np.float64)
+            else:
+                np.copyto(v, chunk)
+            most, negated = _bit_maxima(v)
+            result.most, result.most_negated = max(result.most, most), max(result.most_negated,
+                                                                          negated)
+            special = special or max(most, negated) >= _INF_BITS
+            if not special:  # with a NaN or an infinity the sum is not needed
+                result.total += _numpy_rounds(v, max(most, negated), work[:v.size],
+                                              rest[:v.size])
+    return result
+
+
+def _bit_maxima(v: np.ndarray) -> tuple[int, int]:
+    """(max of v's bits as int64, max of -v's): the latter is the unsigned max, sign flipped."""
+    most = int(v.view(np.int64).max())
+    negated = int(v.view(np.uint64).max()) ^ _SIGN
+    return most, negated - (1 << 64) if negated >= _SIGN else negated
+
+
+def _numpy_rounds(v: np.ndarray, largest_bits: int, t: np.ndarray, r: np.ndarray) -> int:
+    """The exact sum of the finite values ``v`` (overwritten) in units of 2**-1074."""
+    total = 0
+    while largest_bits > 0:
+        exponent = math.frexp(_float(largest_bits))[1]
+        if exponent >= HUGE_EXPONENT:
+            scaled = np.multiply(v, 2.0 ** -SCALE)
+            exact = np.multiply(scaled, 2.0 ** SCALE) == v
+            scaled[~exact] = 0.0
+            v[exact] = 0.0
+            total += _numpy_rounds(scaled, _largest(scaled), t, r) << SCALE
+            largest_bits = _largest(v)
+            continue
+        unit = max(exponent - 84, -1074)
+        high = 1.5 * 2.0 ** (94 + unit)
+        low = 1.5 * 2.0 ** (52 + unit)
+        count = v.size
+        np.add(v, high, out=t)
+        upper = _signed((int(np.add.reduce(t.view(np.int64))) - count * _bits(high)) % (1 << 64))
+        np.subtract(t, high, out=t)  # the multiple of 2**(42+u), exact
+        np.subtract(v, t, out=r)  # what is left, exact
+        np.add(r, low, out=t)
+        lower = _signed((int(np.add.reduce(t.view(np.int64))) - count * _bits(low)) % (1 << 64))
+        total += ((upper << 42) + lower) << (unit + 1074)
+        np.subtract(t, low, out=t)  # the multiple of 2**u
+        np.subtract(r, t, out=v)  # the residual below 2**u, exact
+        largest_bits = _largest(v) if v.any() else 0
+    return total
+
+
+def _largest(v: np.ndarray) -> int:
+    return max(_bit_maxima(v)) if v.size else 0
+
+
+def _float(bits: int) -> float:
+    return float(np.int64(bits).view(np.float64))
+
+
+def _bits(value: float) -> int:
+    return int(np.float64(value).view(np.int64))
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# -- Numba ---------------------------------------------------------------------------------------
+
+_KERNEL: list = []  # [the compiled term function or None], filled on first use
+
+
+def _numba_kernel():
+    if not _KERNEL:
+        _KERNEL.append(_compile() if os.environ.get("MPIALLREDUCE_NUMBA", "1") != "0" else None)
+    return _KERNEL[0]
+
+
+def available() -> bool:
+    """Whether the compiled form runs here (Numba imports and is not turned off)."""
+    return _numba_kernel() is not None
+
+
+def _compile():
+    """The Numba form of :func:`term_total`, or None where Numba does not import."""
+    try:
+        from . import _exact_numba
+    except ImportError:
+        return None
+
+    def term_total_numba(left: np.ndarray, right: np.ndarray | None) -> Total:
+        digits = np.zeros(DIGITS, np.int64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            most, negated = _exact_numba.term(left, left if right is None else right,
+                                              right is not None, digits)
+        total = 0
+        for k, digit in enumerate(digits.tolist()):
+            if digit:
+                total += digit << (30 * k)
+        return Total(total, int(most), int(negated), left.size)
+
+    return term_total_numba
