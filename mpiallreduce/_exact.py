@@ -188,15 +188,15 @@ def _compile():
     except ImportError:
         return None
 
+    term = _exact_numba.term
+
     def term_total_numba(left: np.ndarray, right: np.ndarray | None) -> Total:
+        # (compiled code sets no NumPy error state: infinities and NaN pass as IEEE makes them)
         digits = np.zeros(DIGITS, np.int64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            most, negated = _exact_numba.term(left, left if right is None else right,
-                                              right is not None, digits)
+        most, negated = term(left, left if right is None else right, right is not None, digits)
         total = 0
-        for k, digit in enumerate(digits.tolist()):
-            if digit:
-                total += digit << (30 * k)
+        for k in np.flatnonzero(digits).tolist():
+            total += int(digits[k]) << (30 * k)
         return Total(total, int(most), int(negated), left.size)
 
     return term_total_numba

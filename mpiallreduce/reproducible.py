@@ -63,12 +63,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _exact, _plans, shm
-from ._agree import Signature, agree, prepare
+from ._agree import FIELDS, Signature, agree, bad_signature, prepare
 from ._checks import ALGORITHMS, allreduce_call
 from ._state import CALLS, LAST
 from ._state import state as comm_state
 from .executor import _PlanBase, flat
-from .ops import exact_sum, reducer
+from .ops import DTYPES, OP_NAMES, exact_sum, reducer
 
 #: bits of each fixed-point word below its 21 bits of carry headroom.
 WORD_BITS = 42
@@ -778,9 +778,7 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
     Returns per component (total, unit -1074, nan, +inf, -inf, any value other than -0, any
     value).
     """
-    from . import api
-    from ._agree import FIELDS, bad_signature
-    from .ops import DTYPES, OP_NAMES
+    from . import api  # (a cycle at import time: api imports this module)
 
     comm = MPI.COMM_WORLD if comm is None else comm
     state = comm_state(comm)
