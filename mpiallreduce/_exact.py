@@ -181,6 +181,15 @@ def available() -> bool:
     return _numba_kernel() is not None
 
 
+def compiled():
+    """The module of compiled kernels (:mod:`._exact_numba`) where :func:`available`, else None
+    (the elementwise conversion of ``reproducible=True`` uses its ``keys`` and ``words``)."""
+    if not available():
+        return None
+    from . import _exact_numba
+    return _exact_numba
+
+
 def _compile():
     """The Numba form of :func:`term_total`, or None where Numba does not import."""
     try:

@@ -197,3 +197,31 @@ def term(left, right, multiply, digits):
         if top > 0 and top < _INF_BITS:
             guess = _exponent(top)
     return most, most_negated
+
+
+# -- the elementwise conversion of reproducible=True (reproducible.ReproduciblePlan) ------------
+
+@_jit
+def keys(top, out):
+    """Each value's key from its top 16 bits: rotated left by one, the sign bit inverted (the
+    NumPy calls of ``ReproduciblePlan._bind``, in one pass)."""
+    for i in range(top.size):
+        t = np.int64(top[i])
+        out[i] = ((t << 1) & 0xFFFF) | (((~t) & 0xFFFF) >> 15)
+
+
+@_jit
+def words(values, keys, high, low, shift, magic, down, two):
+    """The words of each value at its agreed key: ``M`` from the key's top bits (a float64 whose
+    top 16 bits are ``((key >> shift) & 0xFFF0) + magic``, the rest 0), ``hi = (x + M) - M`` and,
+    for two words, ``lo = ((x - hi) + M * down) - M * down``: ``_bind``'s NumPy calls, one
+    pass."""
+    for i in range(values.size):
+        top = (((np.int64(keys[i]) >> shift) & 0xFFF0) + magic) & 0xFFFF
+        m = _from_bits(top << 48)
+        x = np.float64(values[i])
+        hi = (x + m) - m
+        high[i] = hi
+        if two:
+            b = m * down
+            low[i] = ((x - hi) + b) - b

@@ -387,6 +387,16 @@ class ReproduciblePlan(_PlanBase):
         Arguments are positional and constants 0-d arrays: NumPy's cost per call is what small
         runs pay. Large runs go block by block (a block's arrays stay in cache)."""
         fmt, keys, words, values = self._fmt, self._keys, self._words, self._values
+        self._back = self._back_calls(out)
+        compiled = _exact.compiled()
+        if compiled is not None:  # the same operations, one compiled pass each (Numba)
+            two = fmt.words == 2
+            self._small = values.size <= SMALL
+            self._key_calls = (partial(compiled.keys, self._top, keys),)
+            self._to_words = (partial(
+                compiled.words, values, keys, words[0], words[1] if two else words[0],
+                fmt.key_shift - 4, (self._magic << 4) | 8, 2.0 ** -self._word_bits, two),)
+            return
         size = values.size
         small = size <= SMALL
         u16 = np.uint16
@@ -424,14 +434,19 @@ class ReproduciblePlan(_PlanBase):
                              partial(np.multiply, a, down, b),
                              partial(np.add, lo, b, lo),  # rounded to the low word's unit
                              partial(np.subtract, lo, b, lo)]
-        if fmt.words == 2:
+        self._small = small
+        self._key_calls, self._to_words = tuple(key_calls), tuple(to_words)
+
+    def _back_calls(self, out: np.ndarray) -> list:
+        """From the summed words to the result: one rounding (and AVG's division)."""
+        words = self._words
+        if self._fmt.words == 2:
             back = [partial(np.add, words[0], words[1], out)]  # the one rounding
         else:
             back = [partial(np.copyto, out, words[0], "same_kind")]  # float32: the one rounding
         if self._average:
             back.append(partial(np.divide, out, np.array(float(self._nranks)), out))
-        self._small = small
-        self._key_calls, self._to_words, self._back = tuple(key_calls), tuple(to_words), back
+        return back
 
     @property
     def nbytes(self) -> int:

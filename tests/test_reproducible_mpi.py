@@ -153,6 +153,33 @@ def test_two_ranks_sum_unconverted_with_the_bits_of_the_conversion(dtype, monkey
         assert len(set(plain.values()) | set(converted.values())) == 1, op
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [5, 300, 70_001])
+def test_the_compiled_conversion_gives_the_numpy_bits(dtype, size, monkeypatch):
+    """The elementwise conversion compiled (Numba, where installed) and in NumPy, on alternate
+    ranks and on all: the same keys and words, so the same bits (forced at every rank count
+    with PAIR_RANKS = 0; wide magnitudes, the largest floats, specials, -0, AVG)."""
+    from mpiallreduce import _exact
+
+    comm = MPI.COMM_WORLD
+    wide = REAL[dtype] == np.float64
+    x = adversarial(comm.rank, size, dtype, seed=21, span=200 if wide else 60)
+    real = x.view(REAL[dtype])
+    real[:4] = [np.finfo(real.dtype).max, -0.0, np.finfo(real.dtype).smallest_subnormal,
+                np.inf if comm.rank == comm.size - 1 else 2.0]
+    monkeypatch.setattr(mar.reproducible, "PAIR_RANKS", 0)
+    found = {}
+    for forms in ("compiled", "numpy", "mixed"):
+        if forms == "numpy" or (forms == "mixed" and comm.rank % 2):
+            monkeypatch.setattr(_exact, "_KERNEL", [None])
+        for op in (MPI.SUM, mar.AVG):
+            found[forms, op.py2f() if op is MPI.SUM else "avg"] = bits(
+                mar.allreduce(x, np.empty_like(x), op=op, algorithm="ring", reproducible=True))
+        monkeypatch.setattr(_exact, "_KERNEL", list(_exact._KERNEL[:0]))  # decide again
+    for op in {key[1] for key in found}:
+        assert found["compiled", op] == found["numpy", op] == found["mixed", op]
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 def test_plan_iallreduce_and_in_place_give_the_same_bits(in_place):
     comm = MPI.COMM_WORLD
