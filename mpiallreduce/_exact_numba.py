@@ -109,35 +109,27 @@ def _exponent(bits):
 
 @_jit
 def _fused(left, right, multiply, m, unit):
-    """One pass over a block at a guessed unit: the two words' sums (bit patterns, constants
-    not yet taken off), whether any value left a residual, and the largest magnitude's bits
-    (:func:`term` keeps the words only where they are exact)."""
+    """One pass over a block at a guessed unit: the two words' sums, whether any value left a
+    residual, and the largest magnitude's bits (:func:`term` keeps the words only where they
+    are exact)."""
     high = np.ldexp(1.5, 94 + unit)
     low = np.ldexp(1.5, 52 + unit)
     upper = 0
     lower = 0
     inexact = False
     largest = 0
-    if multiply:
-        for i in range(m):
+    for i in range(m):  # (LLVM takes the loop-invariant test out of the loop)
+        if multiply:
             v = np.float64(left[i]) * np.float64(right[i])
-            largest = max(largest, _bits(abs(v)))
-            t = v + high
-            upper += _bits(t)
-            r = v - (t - high)
-            r2 = r + low
-            lower += _bits(r2)
-            inexact |= r != r2 - low
-    else:
-        for i in range(m):
+        else:
             v = np.float64(left[i])
-            largest = max(largest, _bits(abs(v)))
-            t = v + high
-            upper += _bits(t)
-            r = v - (t - high)
-            r2 = r + low
-            lower += _bits(r2)
-            inexact |= r != r2 - low
+        largest = max(largest, _bits(abs(v)))
+        t = v + high
+        upper += _bits(t)
+        r = v - (t - high)
+        r2 = r + low
+        lower += _bits(r2)
+        inexact |= r != r2 - low
     return upper - m * _bits(high), lower - m * _bits(low), inexact, largest
 
 
