@@ -19,9 +19,10 @@ is; the others go round unscaled).
 
 - **NumPy** (always there): 12 passes over chunks of ``CHUNK`` values that stay in cache.
 - **Numba** (``pip install mpiallreduce[fast]``, used when it imports; ``MPIALLREDUCE_NUMBA=0``
-  turns it off): one compiled pass per block of ``BLOCK`` values, products buffered, the
-  rounds accumulated in a carry-save integer of 30-bit digits. About 2x ``np.dot``'s time for
-  a dot product, against ~15x for the NumPy form (docs/usage.md, "Reproducible sums").
+  turns it off): one compiled pass per block of ``BLOCK`` values at the unit the previous
+  block's largest gave (a block that needs more is buffered and goes the long way), the words
+  accumulated in a carry-save integer of 30-bit digits. About 1.5x ``np.dot``'s time for a dot
+  product, against ~15x for the NumPy form (docs/usage.md, "Reproducible sums").
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ DIGITS = 72
 
 class Total:
     """One term's (or component's) exact sum ``total * 2**-1074`` and, from the bit patterns of
-    its values, ``most`` = max over values of their bits as signed int64 and ``least_negated``
+    its values, ``most`` = max over values of their bits as signed int64 and ``most_negated``
     = the same for the negated values (:meth:`flags` derives the IEEE specials from them),
-    and whether it had any value."""
+    and how many values it had. (The compiled form reports, for a block of finite values not
+    all zero, its largest magnitude's bits as both: :meth:`flags` reads the same from them.)"""
 
     __slots__ = ("total", "most", "most_negated", "count")
 

@@ -119,10 +119,7 @@ def _fused(left, right, multiply, m, unit):
     inexact = False
     largest = 0
     for i in range(m):  # (LLVM takes the loop-invariant test out of the loop)
-        if multiply:
-            v = np.float64(left[i]) * np.float64(right[i])
-        else:
-            v = np.float64(left[i])
+        v = np.float64(left[i]) * np.float64(right[i]) if multiply else np.float64(left[i])
         largest = max(largest, _bits(abs(v)))
         t = v + high
         upper += _bits(t)
