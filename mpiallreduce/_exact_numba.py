@@ -114,6 +114,7 @@ def _fused(left, right, multiply, m, unit):
     are exact)."""
     high = np.ldexp(1.5, 94 + unit)
     low = np.ldexp(1.5, 52 + unit)
+    high_bits, low_bits = _bits(high), _bits(low)
     upper = 0
     lower = 0
     inexact = False
@@ -122,12 +123,12 @@ def _fused(left, right, multiply, m, unit):
         v = np.float64(left[i]) * np.float64(right[i]) if multiply else np.float64(left[i])
         largest = max(largest, _bits(abs(v)))
         t = v + high
-        upper += _bits(t)
+        upper += _bits(t) - high_bits  # each below 2**48: the sums cannot wrap
         r = v - (t - high)
         r2 = r + low
-        lower += _bits(r2)
+        lower += _bits(r2) - low_bits
         inexact |= r != r2 - low
-    return upper - m * _bits(high), lower - m * _bits(low), inexact, largest
+    return upper, lower, inexact, largest
 
 
 @_jit
