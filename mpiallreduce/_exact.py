@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -82,11 +83,27 @@ class Total:
 
 
 def term_total(left: np.ndarray, right: np.ndarray | None) -> Total:
-    """The exact sum of ``left`` (``left * right`` rounded to float64, if given) and its bits."""
+    """The exact sum of ``left`` (``left * right`` rounded to float64, if given) and its bits.
+
+    Where the compiled form fails (Numba cannot compile for this machine or these arrays), the
+    NumPy form answers instead, with a warning, and from then on in this process: an error on
+    one rank would leave the others waiting in the exchange, and both forms give the same sum.
+    """
     kernel = _numba_kernel()
     if kernel is not None and left.size:
-        return kernel(left, right)
+        try:
+            return kernel(left, right)
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiled form
+            _give_up(exc)
     return _numpy_total(left, right)
+
+
+def _give_up(exc: Exception) -> None:
+    warnings.warn(f"mpiallreduce: the compiled exact sums failed ({type(exc).__name__}: {exc}); "
+                  f"using the NumPy form (the same results, slower)", RuntimeWarning,
+                  stacklevel=3)
+    _KERNEL[:] = [None]
+    _COMPILED[:] = [None]
 
 
 # -- NumPy ---------------------------------------------------------------------------------------
@@ -183,13 +200,33 @@ def available() -> bool:
     return _numba_kernel() is not None
 
 
+_COMPILED: list = []  # [the kernels' module, warmed up, or None], filled on first use
+
+
 def compiled():
     """The module of compiled kernels (:mod:`._exact_numba`) where :func:`available`, else None
-    (the elementwise conversion of ``reproducible=True`` uses its ``keys`` and ``words``)."""
-    if not available():
+    (the elementwise conversion of ``reproducible=True`` uses its ``keys`` and ``words``).
+
+    The first use compiles them for the arrays a plan binds (float32 and float64 values, the
+    strided top bits, uint16 keys), so that a failure shows here, before any exchange (the plan
+    then binds its NumPy calls: the same words), never in the middle of a run."""
+    if not available():  # (also where a test turns the compiled form off)
         return None
-    from . import _exact_numba
-    return _exact_numba
+    if not _COMPILED:
+        module = None
+        if available():
+            from . import _exact_numba as module
+            try:
+                for dtype in (np.float64, np.float32):
+                    values = np.ones(2, dtype)
+                    keys = np.zeros(2, np.uint16)
+                    module.keys(values.view(np.uint16)[::values.itemsize // 2], keys)
+                    module.words(values, keys, np.empty(2), np.empty(2), 7, 0, 1.0, True)
+            except Exception as exc:  # noqa: BLE001 - any failure of the compiled form
+                _give_up(exc)
+                module = None
+        _COMPILED.append(module)
+    return _COMPILED[0]
 
 
 def _compile():

@@ -181,3 +181,18 @@ def test_exact_totals_flag_the_special_values(form):
     zeros = _exact.Total()
     zeros.add(_form(form)(np.array([0.0, 0.0]), None), -1)  # -(+0): every contribution -0
     assert zeros.flags()[3:] == [0, 1]
+
+
+def test_a_failing_compiled_form_falls_back_to_numpy_with_a_warning(monkeypatch):
+    """An error on one rank would leave the others waiting in the exchange: the NumPy form
+    answers instead (the same exact sum) and the compiled one is not tried again."""
+    def broken(left, right):
+        raise RuntimeError("no LLVM target for this CPU")
+
+    monkeypatch.setattr(_exact, "_KERNEL", [broken])
+    monkeypatch.setattr(_exact, "_COMPILED", list(_exact._COMPILED))  # restored after
+    values = np.array([1.0, 2.0 ** -60, -3.0, 2.0 ** 70])
+    with pytest.warns(RuntimeWarning, match="compiled exact sums failed.*NumPy form"):
+        got = mar.sum(values, comm=MPI.COMM_SELF)
+    assert float(got) == float(sum(Fraction(float(v)) for v in values))
+    assert _exact._KERNEL == [None] and _exact.compiled() is None
