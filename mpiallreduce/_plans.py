@@ -280,12 +280,13 @@ class CallEntry(_Known):
     without a timeout). ``direct(*args)`` runs it without a deadline: the native call itself,
     with the MPI datatype given so that mpi4py need not infer it, when nothing else is needed
     (no AVG division, one piece), a schedule's flat calls, or an shm plan's run; else None and
-    the plan runs. ``fused``: the plan's run checks the arguments itself (an shm plan on a
-    node, :func:`checks_itself`), so ``check=True`` skips :meth:`agree`.
+    the plan runs. ``timed(timeout)``: an shm small-regime run with a timeout, else None.
+    ``fused``: the plan's run checks the arguments itself (an shm plan on a node,
+    :func:`checks_itself`), so ``check=True`` skips :meth:`agree`.
     """
 
     __slots__ = ("plan", "run", "state", "objects", "algorithm", "params", "dtype", "in_place",
-                 "signatures", "nbytes", "direct", "args", "fused")
+                 "signatures", "nbytes", "direct", "args", "fused", "timed")
 
     def __init__(self, call: Call, plan, state: CommState, objects: tuple):
         self.plan = plan
@@ -298,10 +299,11 @@ class CallEntry(_Known):
         self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
-        self.direct = self.args = None
+        self.direct = self.args = self.timed = None
         self.fused = fused(plan)
         if self.fused:
-            self.direct, self.args = plan.direct, ()
+            # with a timeout (checked by the caller) the small regime's timed closure
+            self.direct, self.args, self.timed = plan.direct, (), plan._timed
         elif isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average:
             datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
             send, recv = plan.pieces[0]

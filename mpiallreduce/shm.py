@@ -498,6 +498,8 @@ class ShmPlan(_PlanBase):
     """
 
     algorithm = "shm"
+    #: the small regime's bound run with a timeout (see _bind_direct); None elsewhere
+    _timed = None
     #: one float64 SUM/AVG added up exactly (``exact=True``, reproducible sums)
     _exact = False
     #: its node holds every rank of the communicator, so the signatures its runs compare
@@ -569,7 +571,7 @@ class ShmPlan(_PlanBase):
         if small:
             self._run = self._run_small
             self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
-            self.direct = self._bind_direct()
+            self.direct, self._timed = self._bind_direct()
         else:
             self._run = self._run_large
             self._programs = tuple(
@@ -720,10 +722,14 @@ class ShmPlan(_PlanBase):
                 communicator are unusable afterwards.
         """
         state = self._state
-        if timeout is None and self.timeout is None and not self._freed and not self._broken \
-                and not state.broken:
-            deadline = None
-        else:
+        bound = False  # the small regime's bound closures, checked here (1.3 us less at 8 B)
+        if not self._freed and not self._broken and not state.broken:
+            if timeout is None:
+                timeout = self.timeout
+            bound = timeout is None or (self._timed is not None
+                                        and type(timeout) in (int, float) and timeout > 0)
+        deadline = None
+        if not bound:
             timeout, deadline = self._start(timeout)
         node = self._node
         if node is None:
@@ -732,10 +738,12 @@ class ShmPlan(_PlanBase):
             return self.recvbuf
         if node.closed:
             raise ValueError("the communicator of this plan has been freed")
-        if deadline is None:  # checked above: the bound run without deadline (0.4 us less)
+        if not bound:
+            self._epoch(node, timeout, deadline)
+        elif timeout is None:
             self.direct()
         else:
-            self._epoch(node, timeout, deadline)
+            self._timed(timeout)
         return self.recvbuf
 
     __call__ = run
@@ -760,50 +768,56 @@ class ShmPlan(_PlanBase):
         self._epoch(self._node, None, None)
 
     def _bind_direct(self):
-        """:meth:`direct` of the small regime as one closure over the bound state: the
-        :meth:`_run_small` of a run without timeout, written out with locals instead of
-        attribute reads (each shows at 8 bytes)."""
+        """:meth:`direct` of the small regime as closures over the bound state: the
+        :meth:`_run_small` of a run without timeout and of one with, written out with locals
+        instead of attribute reads (each shows at 8 bytes). Returns (untimed, timed); the
+        timed one takes the run's timeout (checked by :meth:`run`)."""
         node = self._node
         header, peers, sync, written, areas = (node.header, node.peer_headers, node.sync,
                                                node.written, node.areas)
-        words, mine = self._signed[0]
-        programs = tuple((load, reduce, digests, parity, node.signatures[parity])
-                         for (load, reduce), digests, parity
-                         in zip(self._programs, self._peer_digests, (0, 1)))
         arrive, mismatch, label = self._arrive, self._mismatch, self._label
+        monotonic = time.monotonic
 
-        def direct() -> None:
-            epoch = node.epoch + 1
-            node.epoch = epoch
-            try:
-                if node.finished != epoch - 1:
-                    node.turn(epoch, None, label)
-                load, reduce, digests, parity, signatures = programs[epoch & 1]
-                load()
-                if written[parity] is not words:
-                    lo, hi = areas[parity]
-                    header[lo:hi] = words
-                    written[parity] = words
-                if sync is not None:
-                    sync()
-                header[0] = 2 * epoch
-                target = 2 * epoch - 1
-                for peer in peers:
-                    if peer[0] < target:
-                        arrive(node, epoch, 2 * epoch, None, None, 0)
-                        break
-                else:
+        def make(timed: bool):
+            words, mine = self._signed[timed]
+            programs = tuple((load, reduce, digests, parity, node.signatures[parity])
+                             for (load, reduce), digests, parity
+                             in zip(self._programs, self._peer_digests, (0, 1)))
+
+            def direct(timeout=None) -> None:
+                deadline = None if timeout is None else monotonic() + timeout
+                epoch = node.epoch + 1
+                node.epoch = epoch
+                try:
+                    if node.finished != epoch - 1:
+                        node.turn(epoch, deadline, label)
+                    load, reduce, digests, parity, signatures = programs[epoch & 1]
+                    load()
+                    if written[parity] is not words:
+                        lo, hi = areas[parity]
+                        header[lo:hi] = words
+                        written[parity] = words
                     if sync is not None:
                         sync()
-                    for theirs, word in digests:
-                        if theirs[word] != mine:
-                            mismatch(signatures, None)
-                reduce()
-            finally:
-                node.finished = epoch
-                if node.waiting:
-                    node.finish(epoch)
-        return direct
+                    header[0] = 2 * epoch
+                    target = 2 * epoch - 1
+                    for peer in peers:
+                        if peer[0] < target:
+                            arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
+                            break
+                    else:
+                        if sync is not None:
+                            sync()
+                        for theirs, word in digests:
+                            if theirs[word] != mine:
+                                mismatch(signatures, timeout)
+                    reduce()
+                finally:
+                    node.finished = epoch
+                    if node.waiting:
+                        node.finish(epoch)
+            return direct
+        return make(False), make(True)
 
     def _arrive(self, node: Node, epoch: int, value: int, timeout, deadline, step: int) -> None:
         """Publish ``value``, wait until every peer published ``2 * epoch - 1 + step``, and
