@@ -134,8 +134,7 @@ def _numpy_total(left: np.ndarray, right: np.ndarray | None) -> Total:
 def _bit_maxima(v: np.ndarray) -> tuple[int, int]:
     """(max of v's bits as int64, max of -v's): the latter is the unsigned max, sign flipped."""
     most = int(v.view(np.int64).max())
-    negated = int(v.view(np.uint64).max()) ^ _SIGN
-    return most, negated - (1 << 64) if negated >= _SIGN else negated
+    return most, _signed(int(v.view(np.uint64).max()) ^ _SIGN)
 
 
 def _numpy_rounds(v: np.ndarray, largest_bits: int, t: np.ndarray, r: np.ndarray) -> int:

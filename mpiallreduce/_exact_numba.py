@@ -50,6 +50,12 @@ def _add_word(digits, word, position):
 
 
 @_jit
+def _exponent(bits):
+    """frexp's exponent of a positive finite float given by its bits."""
+    return math.frexp(_from_bits(bits))[1]
+
+
+@_jit
 def _largest(buf, m):
     most = 0
     for i in range(m):
@@ -61,7 +67,7 @@ def _largest(buf, m):
 def _rounds(buf, m, largest_bits, offset, digits):
     """Add the exact sum of buf[:m] (finite; overwritten) * 2**offset, in units of 2**-1074."""
     while largest_bits > 0:
-        exponent = math.frexp(_from_bits(largest_bits))[1]
+        exponent = _exponent(largest_bits)
         unit = max(exponent - 84, -1074)
         high = np.ldexp(1.5, 94 + unit)
         low = np.ldexp(1.5, 52 + unit)
@@ -86,7 +92,7 @@ def _rounds(buf, m, largest_bits, offset, digits):
 
 @_jit
 def _block_total(buf, spare, m, largest_bits, digits):
-    if math.frexp(_from_bits(largest_bits))[1] >= HUGE_EXPONENT:
+    if _exponent(largest_bits) >= HUGE_EXPONENT:
         down, up = np.ldexp(1.0, -SCALE), np.ldexp(1.0, SCALE)
         for i in range(m):
             v = buf[i]
@@ -99,12 +105,6 @@ def _block_total(buf, spare, m, largest_bits, digits):
         _rounds(spare, m, _largest(spare, m), SCALE, digits)
         largest_bits = _largest(buf, m)
     _rounds(buf, m, largest_bits, 0, digits)
-
-
-@_jit
-def _exponent(bits):
-    """frexp's exponent of a positive finite float given by its bits."""
-    return math.frexp(_from_bits(bits))[1]
 
 
 @_jit

@@ -74,8 +74,6 @@ from .ops import DTYPES, OP_NAMES, exact_sum, reducer
 WORD_BITS = 42
 #: most contributions (ranks) an element may have: each word then stays below 2**62.
 MAX_CONTRIBUTIONS = 1 << 20
-#: values summed with NumPy's int64 sum at once before the partial sum moves to a Python int.
-LOCAL_CHUNK = 1 << 14
 
 
 class _Format:
