@@ -10,13 +10,16 @@ ranks of a communicator on one node share memory from ``MPI.Win.Allocate_shared`
   ``e % 2`` is free without an acknowledgement round.
 
 Every rank numbers its shm calls on a communicator (its *epoch*); call ``e`` publishes the
-counter ``2e - 1`` once its data is in place ("arrived") and ``2e`` once its part is done.
+counter ``2e - 1`` once its data is in place ("arrived") and ``2e`` once its part is done
+(the large regime's chunks count their steps in a word of their own, :data:`STEP_WORD`).
 Regimes (chosen from the agreed count and dtype, never from per-rank state):
 
 - *small* (up to :func:`small_bytes`): copy into the slot, publish, every rank reduces all p
   slots itself in rank order (identical bits everywhere, non-commutative ops exact);
-- *large*: copy in, each rank reduces its block (``partition.block``) across all slots in rank
-  order, publishes, and copies the other blocks out;
+- *large*: a chunk at a time (:data:`CHUNK_BYTES`, two chunk buffers per parity slot, so the
+  slots stay in the caches): each rank copies the peers' blocks (``partition.block``) of its
+  chunk in, publishes, reduces its own block across all ranks in rank order (its own input
+  read where it is), publishes, and copies the other blocks out;
 - *shared arrays* (:func:`shared_empty`): inputs are read straight from the peers' arrays,
   and a result that is a shared array is written straight into every rank's array.
 
@@ -85,6 +88,18 @@ def small_bytes(nranks: int, shared: bool = False) -> int:
     return SMALL_BYTES_TWO_RANKS if nranks == 2 and not shared else SMALL_BYTES
 #: smallest data window per rank (two parity slots); windows grow to the next power of two.
 MIN_WINDOW = 64 << 10
+#: bytes per rank of one chunk of the large regime on a private result: the message moves
+#: through two chunk buffers per parity slot, a chunk at a time, so the slots stay in the
+#: caches instead of streaming the whole message through memory twice more (see
+#: :meth:`ShmPlan._bind_chunks`; measured in docs/performance.md, "Chunks").
+CHUNK_BYTES = 512 << 10
+#: most chunks of one call: a larger message takes larger chunks (the bound calls per chunk
+#: are kept per plan).
+MAX_CHUNKS = 1024
+#: the header word of the large regime's chunk steps (after the counter and the two
+#: signature areas): ``epoch << 24`` plus the step, so it only grows.
+STEP_WORD = 1 + 2 * SIGNATURE_WORDS
+STEP_SHIFT = 24
 #: counter reads a wait makes back to back before it yields the core between reads.
 SPIN_READS = 200
 #: seconds a wait yields (``sched_yield``) between reads before it sleeps between them.
@@ -111,6 +126,18 @@ def signature_words(kind: int, fields) -> list[int]:
 
 def _round(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def chunk_bytes(nbytes: int) -> int:
+    """Bytes per chunk of the large regime for a message of ``nbytes`` (agreed on every rank)."""
+    return max(CHUNK_BYTES, _round(-(-nbytes // MAX_CHUNKS)))
+
+
+def slot_bytes(nbytes: int) -> int:
+    """Bytes per parity slot an shm plan of ``nbytes`` needs: the whole message up to the
+    small regime's limit or two chunks, then two chunk buffers (a function of the agreed count
+    alone, so every rank grows the window at the same call)."""
+    return min(nbytes, max(2 * chunk_bytes(nbytes), SMALL_BYTES, SMALL_BYTES_TWO_RANKS))
 
 
 class Node:
@@ -145,6 +172,8 @@ class Node:
         self.comm.Barrier()  # every header is zero before anyone reads one
         self.peers = tuple(q for q in range(self.size) if q != self.rank)
         self.peer_headers = tuple(self.headers[q] for q in self.peers)
+        # the peers' chunk-step words, as views whose word 0 is the step (for wait())
+        self.peer_steps = tuple(header[STEP_WORD:] for header in self.peer_headers)
         self.sync = header.Sync if FENCE else None
         self.areas = tuple((1 + parity * SIGNATURE_WORDS, 1 + (parity + 1) * SIGNATURE_WORDS)
                            for parity in (0, 1))
@@ -565,18 +594,21 @@ class ShmPlan(_PlanBase):
         if red.ufunc is None and recv_block is not None and not small:
             lo, hi = block(count, p, rank)
             self._scratch = np.empty(hi - lo, dtype=dtype)
-        in_place_input = call.send is None
-        input_block, input_at = ((recv_block, recv_at) if in_place_input
+        input_block, input_at = ((recv_block, recv_at) if call.send is None
                                  else (send_block, send_at))
         if small:
             self._run = self._run_small
             self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
             self.direct, self._timed = self._bind_direct()
+        elif recv_block is None:
+            # a private result: through the slots, a chunk at a time
+            self._run = self._run_chunks
+            self._programs = tuple(self._bind_chunks(parity, source, input_block, input_at)
+                                   for parity in (0, 1))
         else:
             self._run = self._run_large
             self._programs = tuple(
-                self._bind_large(parity, source, input_block, input_at, recv_block, recv_at,
-                                 in_place_input)
+                self._bind_large(parity, source, input_block, input_at, recv_block, recv_at)
                 for parity in (0, 1))
 
     @property
@@ -657,59 +689,101 @@ class ShmPlan(_PlanBase):
                 out[0] = total if divisor is None else total / divisor
         return reduce
 
-    def _bind_large(self, parity: int, source: np.ndarray, input_block, input_at, recv_block,
-                    recv_at, in_place_input: bool) -> tuple:
-        """Calls of the large regime for one parity: (load, reduce, store, pull).
+    def _bind_chunks(self, parity: int, source: np.ndarray, input_block, input_at) -> tuple:
+        """Calls of the large regime on a private result for one parity, chunk by chunk:
+        a tuple of (load, reduce, pull) per chunk.
 
-        load: copies before "arrived"; reduce: this rank's block across all inputs, into the
-        place peers read it from; pull: the other blocks copied out after "done".
+        The parity's slot holds two chunk buffers; chunk ``c`` goes through buffer ``c % 2``.
+        load: the peers' blocks (``partition.block``) of this rank's input of the chunk into
+        its buffer (none where the input is a shared array: the peers read it in place);
+        reduce: this rank's block of the chunk across every rank's input in rank order (its
+        own read where it is) into its buffer, then into the result; pull: the other blocks
+        of the chunk out of the peers' buffers.
+        Only a chunk's worth of slot memory is touched between waits, so it stays in the
+        caches: the message itself is read once and the result written once.
+        """
+        node, result = self._node, self._result
+        rank, p, count, dtype = node.rank, node.size, result.size, result.dtype
+        per = max(1, chunk_bytes(result.nbytes) // dtype.itemsize)  # elements per chunk
+        stride = _round(per * dtype.itemsize)
+        base = parity * (node.capacity // 2)
+        peer_inputs = (input_block.peers(input_at, dtype, count) if input_block is not None
+                       else None)
+        chunks = []
+        for c, start in enumerate(range(0, count, per)):
+            stop = min(start + per, count)
+            size = stop - start
+            slots = [np.frombuffer(segment, dtype=dtype, count=size,
+                                   offset=base + (c % 2) * stride)
+                     for segment in self._segments]
+            lo, hi = block(size, p, rank)
+            load = ()
+            if peer_inputs is None:
+                # the peers' blocks of our input (our own block is read where it is)
+                load = tuple(partial(np.copyto, slots[rank][a:b], source[start + a:start + b])
+                             for a, b in ((0, lo), (hi, size)) if b > a)
+                operands = [slot[lo:hi] for slot in slots]
+                operands[rank] = source[start + lo:start + hi]
+            else:
+                operands = [array[start + lo:start + hi] for array in peer_inputs]
+            reduce = []
+            if hi > lo:
+                # into our buffer first (never an operand, so rank order holds in place too),
+                # then into the result
+                mine = slots[rank][lo:hi]
+                reduce += self._reduce_into(mine, operands)
+                if self._average:
+                    reduce.append(partial(np.divide, mine, self._nranks, mine))
+                reduce.append(partial(np.copyto, result[start + lo:start + hi], mine))
+            pull = []
+            for q in range(p):
+                first, last = block(size, p, q)
+                if q != rank and last > first:
+                    pull.append(partial(np.copyto, result[start + first:start + last],
+                                        slots[q][first:last]))
+            chunks.append((load, tuple(reduce), tuple(pull)))
+        return tuple(chunks)
+
+    def _bind_large(self, parity: int, source: np.ndarray, input_block, input_at, recv_block,
+                    recv_at) -> tuple:
+        """Calls of the large regime on a shared result for one parity: (load, reduce, pull).
+
+        load: a private input into this rank's own shared result before "arrived"; reduce:
+        this rank's block across all inputs, written into every rank's result; pull: nothing
+        (every rank's result is complete once every rank published "done"). The slots are not
+        used (a private result goes through :meth:`_bind_chunks`).
         """
         node, result = self._node, self._result
         rank, p, count, dtype = node.rank, node.size, result.size, result.dtype
         lo, hi = block(count, p, rank)
-        slots = self._slots(parity)
-        load, reduce, pull = [], [], []
+        load, reduce = [], []
         if input_block is not None:
             inputs = input_block.peers(input_at, dtype, count)
-        elif recv_block is not None:
+        else:
             # a private input into a shared result: copy it into our own shared result, then
             # reduce from the peers' results
             inputs = recv_block.peers(recv_at, dtype, count)
             load.append(partial(np.copyto, inputs[rank], source))
-        else:
-            inputs = slots
-            load.append(partial(np.copyto, slots[rank], source))
         mine = [operand[lo:hi] for operand in inputs]
-        if recv_block is not None:
-            # the result is a shared array: write our block into every rank's array
-            outputs = recv_block.peers(recv_at, dtype, count)
-            target = outputs[rank][lo:hi]
-            aliased = input_block is None or (input_block is recv_block and input_at == recv_at)
-            if aliased and self.reducer.ufunc is not None:
-                # our block of our own array first, the others fold into it: any order is
-                # exact enough for the commutative ufunc ops, and one rank computes each block
-                reduce += self._reduce_into(target, [mine[rank]] + mine[:rank] + mine[rank + 1:])
-            elif aliased:
-                # a user op keeps rank order: fold into scratch, not into an operand
-                reduce += self._reduce_into(self._scratch, mine)
-                reduce.append(partial(np.copyto, target, self._scratch))
-            else:
-                reduce += self._reduce_into(target, mine)
-            if self._average:
-                reduce.append(partial(np.divide, target, self._nranks, target))
-            reduce += [partial(np.copyto, outputs[q][lo:hi], target)
-                       for q in range(p) if q != rank]
+        # the result is a shared array: write our block into every rank's array
+        outputs = recv_block.peers(recv_at, dtype, count)
+        target = outputs[rank][lo:hi]
+        aliased = input_block is None or (input_block is recv_block and input_at == recv_at)
+        if aliased and self.reducer.ufunc is not None:
+            # our block of our own array first, the others fold into it: any order is
+            # exact enough for the commutative ufunc ops, and one rank computes each block
+            reduce += self._reduce_into(target, [mine[rank]] + mine[:rank] + mine[rank + 1:])
+        elif aliased:
+            # a user op keeps rank order: fold into scratch, not into an operand
+            reduce += self._reduce_into(self._scratch, mine)
+            reduce.append(partial(np.copyto, target, self._scratch))
         else:
-            target = result[lo:hi]
             reduce += self._reduce_into(target, mine)
-            if self._average:
-                reduce.append(partial(np.divide, target, self._nranks, target))
-            reduce.append(partial(np.copyto, slots[rank][lo:hi], target))
-            for q in range(p):
-                if q != rank:
-                    start, stop = block(count, p, q)
-                    pull.append(partial(np.copyto, result[start:stop], slots[q][start:stop]))
-        return tuple(load), tuple(reduce), tuple(pull)
+        if self._average:
+            reduce.append(partial(np.divide, target, self._nranks, target))
+        reduce += [partial(np.copyto, outputs[q][lo:hi], target)
+                   for q in range(p) if q != rank]
+        return tuple(load), tuple(reduce), ()
 
     # -- running --------------------------------------------------------------------------------
 
@@ -889,6 +963,59 @@ class ShmPlan(_PlanBase):
         for call in pull:
             call()
 
+    def _run_chunks(self, node: Node, epoch: int, timeout, deadline) -> None:
+        """The chunked large regime (:meth:`_bind_chunks`). The first chunk's input, with the
+        signature, publishes the counter ``2e - 1`` (the step that compares signatures); then
+        per chunk ``c`` the step word says "reduced c" (``2c + 1``) and "loaded c + 1"
+        (``2c + 2``) above ``e << STEP_SHIFT``. Chunk ``c + 1`` reuses the buffer of chunk
+        ``c - 1``, free once every peer loaded chunk ``c`` (which it does after pulling
+        ``c - 1``); the epoch's first chunk, as every call, takes the parity slot that every
+        peer finished reading when it started the previous epoch."""
+        parity = epoch & 1
+        chunks = self._programs[parity]
+        header, sync = node.header, node.sync
+        base = epoch << STEP_SHIFT
+        last = len(chunks) - 1
+        for call in chunks[0][0]:
+            call()
+        self._sign(node, parity, timeout)
+        self._arrive(node, epoch, 2 * epoch - 1, timeout, deadline, 0)
+        for c, (_, reduce, pull) in enumerate(chunks):
+            if c:
+                self._chunk_wait(node, base + 2 * c, timeout, deadline, c, "load")
+            for call in reduce:
+                call()
+            if sync is not None:
+                sync()
+            header[STEP_WORD] = base + 2 * c + 1
+            if c == last:
+                header[0] = 2 * epoch
+            self._chunk_wait(node, base + 2 * c + 1, timeout, deadline, c, "reduce")
+            for call in pull:
+                call()
+            if c < last:
+                for call in chunks[c + 1][0]:
+                    call()
+                if sync is not None:
+                    sync()
+                header[STEP_WORD] = base + 2 * c + 2
+
+    def _chunk_wait(self, node: Node, target: int, timeout, deadline, chunk: int,
+                    what: str) -> None:
+        """Wait until every peer's step word reaches ``target`` (chunk steps of the large
+        regime); a deadline that passes names the missing ranks."""
+        for peer in node.peer_steps:
+            if peer[0] < target:
+                missing = node.wait(target, deadline, (node.peers, node.peer_steps))
+                if missing is not None:
+                    self.fail(f"{self._label} on rank {node.rank}: no answer from rank(s) "
+                              f"{', '.join(map(str, missing))} at the {what} of chunk {chunk} "
+                              f"within {timeout:g} s (a rank stopped in the middle of this "
+                              f"call)")
+                return
+        if node.sync is not None:
+            node.sync()
+
     def _mismatch(self, signatures, timeout) -> None:
         """Raise the same ValueError on every rank: the peers' signatures differ from ours.
 
@@ -964,7 +1091,7 @@ def build(call, state, *, topology, plan_id: int, timeout, deadline, what: str,
     if node.size != nranks:
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but only {node.size} "
                          f"of {nranks} ranks share this one; use 'hierarchical' or 'cascade'")
-    node.reserve(call.recv.nbytes, deadline, what)
+    node.reserve(slot_bytes(call.recv.nbytes), deadline, what)
     if exact and (call.recv.size != 1 or call.recv.dtype != np.float64
                   or call.reducer.name not in ("SUM", "AVG")):
         raise ValueError("an exact shm plan sums one float64")
@@ -979,7 +1106,7 @@ def fits(call, state) -> bool:
     if call.recv.size == 0 or node is None or node.closed or node.size == 1 \
             or node.size != state.private.Get_size():
         return False
-    if 2 * _round(call.recv.nbytes) > node.capacity:
+    if 2 * _round(slot_bytes(call.recv.nbytes)) > node.capacity:
         return False
     return not any(getattr(array, "_block", None) is not None and array._block.freed
                    for array in (call.send, call.recv))

@@ -549,7 +549,7 @@ def test_gamma_and_copy_follow_their_curves_and_in_place_copies_back():
 
 
 def test_shm_regimes_and_the_node_bandwidth():
-    from mpiallreduce.shm import SMALL_BYTES
+    from mpiallreduce.shm import SMALL_BYTES, chunk_bytes
 
     machine = replace_(PLAIN, copy=1e-10, combine=4e-7, shm_small=1e-6, shm_large=5e-6)
     p, small = 4, 1024
@@ -557,8 +557,11 @@ def test_shm_regimes_and_the_node_bandwidth():
         1e-6 + small * 1e-10 + (p - 1) * (small * GAMMA + 4e-7), rel=1e-12)
     large = 1 << 20
     part = large // p
+    chunks = large // chunk_bytes(large)  # the large regime's fixed cost is per chunk
+    assert chunks == 2
+    # the peers' blocks copied in, this rank's reduced and copied out, the others pulled
     assert predict("shm", p, large, machine=machine).time == pytest.approx(
-        5e-6 + large * 1e-10 + (p - 1) * (part * GAMMA + 4e-7) + part * 1e-10
+        chunks * 5e-6 + (p - 1) * part * 1e-10 + (p - 1) * (part * GAMMA + 4e-7) + part * 1e-10
         + (p - 1) * (part * 1e-10 + 4e-7), rel=1e-12)
     # reading the peers' freshly written slots: (p-1) whole slots small, 2(p-1) blocks large
     peer = replace_(machine, shm_peer=3e-10)
@@ -571,8 +574,9 @@ def test_shm_regimes_and_the_node_bandwidth():
     # a node moving 1 GB/s for all its ranks: every phase is bound by p times its bytes
     slow = replace_(machine, node_bandwidth=1e9)
     bound = predict("shm", p, large, machine=slow).time
-    assert bound == pytest.approx(5e-6 + p * 2 * large / 1e9 + p * (p + 3) * part / 1e9
-                                  + p * 2 * (p - 1) * part / 1e9, rel=1e-12)
+    assert bound == pytest.approx(chunks * 5e-6 + p * 2 * (p - 1) * part / 1e9
+                                  + p * (p + 3) * part / 1e9 + p * 2 * (p - 1) * part / 1e9,
+                                  rel=1e-12)
     # measured by size: the caches carry small phases (no bound), memory the large ones
     curved = replace_(slow, node_curve=((4096, 1e12), (1 << 16, 1e12), (1 << 18, 1e9)))
     assert predict("shm", p, small, machine=curved).time == pytest.approx(
@@ -662,7 +666,7 @@ def test_node_phased_one_node_closed_form():
     (hierarchical), the leader gathers the other quarters, publishes the vector, the others
     copy it out; small vectors are reduced by the leader alone (and pay shm_small, not
     shm_large, per call)."""
-    from mpiallreduce.shm import SMALL_BYTES
+    from mpiallreduce.shm import SMALL_BYTES, chunk_bytes
 
     m, size = 4, 1 << 20
     part = size // m

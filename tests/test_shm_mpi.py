@@ -83,6 +83,117 @@ def test_awkward_counts_repeated_with_changing_inputs(comm, in_place, kind):
             plan.free()
 
 
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1 KiB (at most 256 per call) instead of 512 KiB, set alike on every rank before
+    any plan binds: a large-regime message of a few hundred KiB crosses many chunk boundaries,
+    and one over 256 KiB takes chunks larger than CHUNK_BYTES."""
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(shm, "MAX_CHUNKS", 256)
+
+
+def _chunk_counts(comm, itemsize: int) -> list[int]:
+    """Counts past the small regime's limit, on and beside chunk boundaries (1 KiB chunks), and
+    one whose chunks grow past CHUNK_BYTES (not a multiple of their size)."""
+    smallest = shm.small_bytes(comm.size) // itemsize + 1
+    per = 1024 // itemsize
+    boundary = -(-smallest // per) * per
+    counts = {smallest, boundary, boundary + 1, boundary + comm.size - 1, 300_007 // itemsize}
+    assert shm.chunk_bytes(max(counts) * itemsize) > 1024
+    return sorted(counts)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype, op_name", [("float64", "SUM"), ("int8", "SUM"),
+                                            ("int32", "MAX"), ("complex128", "PROD")])
+def test_chunked_large_regime_across_chunk_boundaries(comm, small_chunks, in_place, dtype,
+                                                      op_name):
+    """The large regime on a private result moves a chunk at a time through two buffers per
+    parity slot: a chunk read from the wrong buffer, or a buffer reused too early, shows as a
+    wrong result (inputs change every round; plans and one-shot calls interleave)."""
+    op = getattr(MPI, op_name)
+    for count in _chunk_counts(comm, np.dtype(dtype).itemsize):
+        buf = np.empty(count, dtype=dtype)
+        out = np.empty(count, dtype=dtype)
+        plan = (mar.plan(MPI.IN_PLACE, buf, op=op, comm=comm, algorithm="shm") if in_place
+                else mar.plan(buf, out, op=op, comm=comm, algorithm="shm"))
+        assert comm.size == 1 or plan._run == plan._run_chunks
+        for round_ in range(3):
+            x = contribution(comm, count, dtype, op_name, seed=round_)
+            buf[...] = x
+            if round_ == 1:  # a one-shot call between two runs of the plan
+                if in_place:
+                    mar.allreduce(MPI.IN_PLACE, buf, op=op, comm=comm, algorithm="shm")
+                else:
+                    mar.allreduce(buf, out, op=op, comm=comm, algorithm="shm")
+            else:
+                plan.run()
+            result = buf if in_place else out
+            if np.dtype(dtype).itemsize == 1:  # Open MPI saturates 8-bit sums: NumPy's
+                expect = np.sum(comm.allgather(x), axis=0, dtype=dtype)
+                assert all(comm.allgather(np.array_equal(result, expect))), count
+            else:
+                assert_matches_native(comm, x, result, op)
+        plan.free()
+
+
+def test_chunked_large_regime_keeps_rank_order_and_averages(comm, small_chunks):
+    compose = MPI.Op.Create(affine_compose, commute=False)
+    try:
+        for count in _chunk_counts(comm, 8):
+            x = affine_maps(comm, count, seed=count)
+            every = comm.allgather(x)
+            expect = every[-1].copy()
+            for earlier in reversed(every[:-1]):
+                affine_compose(earlier, expect, None)
+            y = x.copy()
+            mar.allreduce(MPI.IN_PLACE, y, op=compose, comm=comm, algorithm="shm")
+            assert all(comm.allgather(np.array_equal(y, expect))), f"count {count}"
+            z = contribution(comm, count, "float64")
+            assert_matches_native(comm, z, mar.allreduce(z, op=mar.AVG, comm=comm,
+                                                         algorithm="shm"),
+                                  MPI.SUM, average=True)
+    finally:
+        compose.Free()
+
+
+def test_chunked_large_regime_reads_a_shared_input_in_place(comm, small_chunks):
+    count = _chunk_counts(comm, 8)[-1]
+    with mar.shared_zeros(count, comm=comm) as send:
+        out = np.empty(count)
+        for round_ in range(3):
+            x = contribution(comm, count, "float64", seed=round_)
+            send[...] = x
+            mar.allreduce(send, out, comm=comm, algorithm="shm")
+            assert_matches_native(comm, x, out, MPI.SUM)
+        comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_stalled_between_chunks_times_out_on_every_other(monkeypatch, small_chunks):
+    """A rank that stops in the middle of a chunked call: the others name it and the step."""
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    count = _chunk_counts(comm, 8)[-1]
+    x = contribution(comm, count, "float64")
+    plan = mar.plan(x, comm=comm, algorithm="shm")
+    assert len(plan._programs[0]) > 2
+    if comm.rank == 0:  # its second chunk stalls before reducing
+        stalled = list(plan._programs[1])
+        _, reduce, pull = stalled[1]
+        stalled[1] = (stalled[1][0], (lambda: time.sleep(0.8), *reduce), pull)
+        plan._programs = (plan._programs[0], tuple(stalled))
+    world.Barrier()
+    with pytest.raises(mar.CollectiveTimeout) as info:
+        plan.run(timeout=0.3 if comm.rank else 1.5)  # epoch 1 (its parity: programs[1])
+    messages = world.allgather(str(info.value))
+    assert all("no answer from rank(s) 0 at the reduce of chunk 1" in m
+               for m in messages[1:]), messages
+    plan.free()
+    comm.Free()
+
 def test_fortran_order_and_several_dimensions(comm):
     for shape in [(3, 5), (70, 40), (200, 61)]:
         x = np.asfortranarray(contribution(comm, int(np.prod(shape)), "float64").reshape(shape))

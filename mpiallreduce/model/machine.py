@@ -194,8 +194,8 @@ class Machine:
             several times faster per byte than 64 MiB's.
         copy_curve: measured seconds per byte of ``copy`` by size (allocate and copy), or None.
         shm_small, shm_large: seconds per call of the shared-memory transport (``"shm"``)
-            beyond its copies and combines, in its small and large regimes (Python, the
-            counters, waiting for the peers).
+            beyond its copies and combines, in its small and large regimes (per chunk in the
+            large one: Python, the counters, waiting for the peers).
         phased_small, phased_large: seconds per call of hierarchical and cascade with the
             shared-memory intra-node phase (:mod:`mpiallreduce.shm_nodes`) beyond their copies,
             combines and cross phase, in shm's small and large regimes, or None (``shm_small``

@@ -185,15 +185,17 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
 
     Small (up to ``small_bytes(p)`` per rank): copy the input into the rank's slot, publish, wait
     for every peer, then every rank combines all p slots into its result ((p-1) combines of
-    the whole message). Large: copy in, publish and wait, combine this rank's block (1/p)
-    across the p slots, copy it into the slot, publish and wait, copy the p-1 other blocks
-    out. Each phase runs on every rank of the node at once, so its bytes (reads and writes of
-    all p ranks) cannot move faster than the node's bandwidth at that size (``node_curve``, else
-    ``node_bandwidth``). ``shm_small``/``shm_large`` are
-    the calibrated seconds per call beyond the copies and combines (Python, counters, waits),
+    the whole message). Large, a chunk (``shm.chunk_bytes``) at a time: copy the p-1 peers'
+    blocks in, publish and wait, combine this rank's block (1/p) across the p inputs, copy it
+    into the slot and the result, publish and wait, copy the p-1 other blocks out. Each phase
+    runs on every rank of the node at once, so its bytes (reads and writes of all p ranks)
+    cannot move faster than the node's bandwidth at that size (``node_curve``, else
+    ``node_bandwidth``). ``shm_small``/``shm_large`` are the calibrated seconds
+    per call (per chunk in the large regime) beyond the copies and combines (Python, counters,
+    waits),
     ``shm_peer`` the seconds per byte read from the peers' freshly written slots.
     """
-    from ..shm import small_bytes
+    from ..shm import chunk_bytes, small_bytes
 
     if topology.nnodes > 1:
         raise ValueError("shm runs on one node only: predict it with all ranks on one node")
@@ -210,7 +212,9 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
         steps = 1
     else:
         part = -(-size // p)
-        time_ = (machine.shm_large + node.phase(p, node.copy(size), 2 * size)
+        chunks = -(-size // chunk_bytes(size))
+        time_ = (chunks * machine.shm_large
+                 + node.phase(p, node.copy((p - 1) * part), 2 * (p - 1) * part)
                  + node.phase(p, node.reduce(p, part) + node.copy(part), (p + 3) * part)
                  + node.phase(p, (p - 1) * (node.copy(part) + machine.combine
                                             + part * machine.shm_peer),
