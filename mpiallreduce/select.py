@@ -77,6 +77,13 @@ RULES = (
 #: built-in rule's pipelined ring took 1.6-1.9 out of place and 0.76-0.95 in place; so at 2
 #: ranks shm stops at 4 MiB. 3-8 ranks outnumber this VM's cores and were not measured so.
 SHM_RULES = ((2, 2, 0, 4 << 20), (3, 8, 0, None))
+#: the same, in place only: since the large regime moves a chunk at a time (shm.CHUNK_BYTES),
+#: at 2 ranks in place it beat both native and the pipelined ring from 4 MiB (2026-12-02 06:24
+#: UTC, float64 SUM, plan runs, 7 interleaved rounds, load ~3; shm time / the faster of native
+#: and ring_segmented, median round): 0.81, 0.76, 0.75, 0.79 at 4, 8, 16, 64 MiB; a run a
+#: minute earlier under load 5 gave 0.68, 0.98, 1.02, 1.34. Out of place the same runs gave
+#: 0.77-0.95 and 1.14-1.59, so there the rules above stay.
+SHM_IN_PLACE_RULES = ((2, 2, 4 << 20, None),)
 SHM_OVERSUBSCRIBED_BYTES = 128 << 10
 #: On one node, out of place only: (fewest ranks, most ranks, least bytes, most bytes
 #: (exclusive), algorithm) where a schedule that reduces straight out of ``sendbuf`` beat shm
@@ -154,7 +161,7 @@ def one_node_choice(nranks: int, nbytes: int, in_place: bool,
             if low <= nranks <= high and least <= nbytes < most:
                 return name
     oversubscribed = nranks > (os.cpu_count() or 1)
-    for low, high, least, most in SHM_RULES:
+    for low, high, least, most in SHM_RULES + (SHM_IN_PLACE_RULES if in_place else ()):
         if oversubscribed:
             least = max(least, SHM_OVERSUBSCRIBED_BYTES)
         if low <= nranks <= high and least <= nbytes and (most is None or shared

@@ -666,7 +666,7 @@ def test_node_phased_one_node_closed_form():
     (hierarchical), the leader gathers the other quarters, publishes the vector, the others
     copy it out; small vectors are reduced by the leader alone (and pay shm_small, not
     shm_large, per call)."""
-    from mpiallreduce.shm import SMALL_BYTES, chunk_bytes
+    from mpiallreduce.shm import SMALL_BYTES
 
     m, size = 4, 1 << 20
     part = size // m
