@@ -41,7 +41,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Open MPI as root and with more ranks than cores, as the Makefile sets them.
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+           "OMPI_MCA_osc": "^ucx"}  # as the Makefile: osc/ucx prints errors on shm's windows
 _TUNED = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1"}
 #: label -> environment of each Open MPI configuration.
 OPEN_MPI_CONFIGS = {
