@@ -76,7 +76,13 @@ RULES = (
 #: native in both modes (out of place 0.85-1.02 at 4-16 MiB, in place 0.68-0.82) where the
 #: built-in rule's pipelined ring took 1.6-1.9 out of place and 0.76-0.95 in place; so at 2
 #: ranks shm stops at 4 MiB. 3-8 ranks outnumber this VM's cores and were not measured so.
-SHM_RULES = ((2, 2, 0, 4 << 20), (3, 8, 0, None))
+#: Since the large regime moves a chunk at a time (2026-12-02, another VM of the kind, float64
+#: SUM): out of place at 8 MiB shm beat the pipelined ring in 5 of the 6 jobs of
+#: scripts/native_sweep.py (861-1043 us against 942-1295) and in 3 of 3 of scripts/call_cost.py
+#: (0.43 of comm.Allreduce against auto's ring_segmented 0.57), 0.79 of the faster of native and
+#: the ring in 7 interleaved rounds (1.14 in a run under load 5); at 16 MiB 0.95 [0.77-1.17]
+#: and 1.29, at 64 MiB 0.95 and 1.59: so at 2 ranks shm runs below 16 MiB.
+SHM_RULES = ((2, 2, 0, 16 << 20), (3, 8, 0, None))
 #: the same, in place only: since the large regime moves a chunk at a time (shm.CHUNK_BYTES),
 #: at 2 ranks in place it beat both native and the pipelined ring from 4 MiB (2026-12-02 06:24
 #: UTC, float64 SUM, plan runs, 7 interleaved rounds, load ~3; shm time / the faster of native
@@ -84,8 +90,8 @@ SHM_RULES = ((2, 2, 0, 4 << 20), (3, 8, 0, None))
 #: minute earlier under load 5 gave 0.68, 0.98, 1.02, 1.34; scripts/native_sweep.py (06:26,
 #: 3 repeats) gave 520 us against the strongest native's 692 at 8 MiB (0.75) but 6.1-11.4 ms
 #: against 6.6 at 64 MiB (memory-bound: the pipelined ring moves fewer bytes), so shm stops at
-#: 32 MiB. Out of place the same runs gave 0.77-0.95 and 1.14-1.59: the rules above stay.
-SHM_IN_PLACE_RULES = ((2, 2, 4 << 20, 32 << 20),)
+#: 32 MiB (out of place, at 16 MiB: see above).
+SHM_IN_PLACE_RULES = ((2, 2, 16 << 20, 32 << 20),)
 SHM_OVERSUBSCRIBED_BYTES = 128 << 10
 #: On one node, out of place only: (fewest ranks, most ranks, least bytes, most bytes
 #: (exclusive), algorithm) where a schedule that reduces straight out of ``sendbuf`` beat shm

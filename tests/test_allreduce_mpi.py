@@ -303,7 +303,7 @@ def test_auto_above_the_crossover_runs_the_pipelined_ring_and_matches_native():
     p = mar.plan(x, comm=comm, algorithm="auto")
     try:
         # on one node of 3-8 ranks the shared-memory transport is faster still (at 2 ranks
-        # it stops at 4 MiB: select.SHM_RULES)
+        # it stops at 16 MiB out of place: select.SHM_RULES)
         expected = "native" if comm.size == 1 else "shm" if one_node and shm_fits(
             comm.size, x.nbytes, in_place=False) else "ring_segmented"
         assert p.algorithm == expected

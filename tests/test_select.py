@@ -49,18 +49,20 @@ def test_auto_never_picks_an_order_breaking_algorithm_for_a_non_commutative_op()
         op.Free()
 
 
-def test_one_node_runs_shm_in_place_at_every_size_at_two_ranks(monkeypatch):
-    """At 2 ranks (not outnumbering the cores) the chunked large regime won in place from
-    4 MiB to 32 MiB, not out of place (select.SHM_IN_PLACE_RULES); below 4 MiB both modes
-    run shm, from 32 MiB neither."""
+def test_one_node_runs_shm_up_to_the_measured_sizes_at_two_ranks(monkeypatch):
+    """At 2 ranks (not outnumbering the cores) the chunked large regime won below 16 MiB in
+    both modes, in place up to 32 MiB (select.SHM_RULES, SHM_IN_PLACE_RULES); from 32 MiB
+    neither mode runs it."""
     from mpiallreduce import select
 
     monkeypatch.setattr(select, "tables", lambda: {})
     monkeypatch.setattr(select.os, "cpu_count", lambda: 2)
-    for nbytes in (4 << 20, 8 << 20, (32 << 20) - 8):
+    for nbytes in (8, 64 << 10, 8 << 20, (16 << 20) - 8):
+        assert select.one_node_choice(2, nbytes, in_place=True) == "shm"
+        assert select.one_node_choice(2, nbytes, in_place=False) == "shm"
+    for nbytes in (16 << 20, (32 << 20) - 8):
         assert select.one_node_choice(2, nbytes, in_place=True) == "shm"
         assert select.one_node_choice(2, nbytes, in_place=False) is None
     for nbytes in (32 << 20, 1 << 30):
         assert select.one_node_choice(2, nbytes, in_place=True) is None
-    assert select.one_node_choice(2, (4 << 20) - 8, in_place=False) == "shm"
-    assert select.one_node_choice(2, 8, in_place=True) == "shm"
+        assert select.one_node_choice(2, nbytes, in_place=False) is None

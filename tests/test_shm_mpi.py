@@ -554,8 +554,7 @@ def test_fields_only_the_argument_check_covered_raise_in_the_run(dup, field, ent
     data alone does not show raise the agreement's message on every rank from the run."""
     comm = dup
     # 1.28 MB: auto runs shm out of place at every size of one node, oversubscribed too
-    # (select.one_node_choice: from 128 KiB oversubscribed, at 2 ranks below 16 KiB and from
-    # 1 MiB to 4 MiB)
+    # (select.one_node_choice: from 128 KiB oversubscribed, at 2 ranks below 16 MiB)
     x = contribution(comm, 160_000, "float64")
     assert select.shm_fits(comm.size, x.nbytes, in_place=False)
     mar.allreduce(x, comm=comm, algorithm="shm")  # node and topology exist: nothing collective
