@@ -709,13 +709,16 @@ class ShmPlan(_PlanBase):
         base = parity * (node.capacity // 2)
         peer_inputs = (input_block.peers(input_at, dtype, count) if input_block is not None
                        else None)
+        # every rank's two chunk buffers, as long as their longest chunk (the slot holds no
+        # more: a message of under two chunks has a slot of its own size); chunks slice them
+        buffers = [[np.frombuffer(segment, dtype=dtype, count=min(per, count - j * per),
+                                  offset=base + j * stride) for segment in self._segments]
+                   for j in range(1 if count <= per else 2)]
         chunks = []
         for c, start in enumerate(range(0, count, per)):
             stop = min(start + per, count)
             size = stop - start
-            slots = [np.frombuffer(segment, dtype=dtype, count=size,
-                                   offset=base + (c % 2) * stride)
-                     for segment in self._segments]
+            slots = [buffer[:size] for buffer in buffers[c % 2]]
             lo, hi = block(size, p, rank)
             load = ()
             if peer_inputs is None:
