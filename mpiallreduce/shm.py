@@ -749,12 +749,12 @@ class ShmPlan(_PlanBase):
 
     def _bind_large(self, parity: int, source: np.ndarray, input_block, input_at, recv_block,
                     recv_at) -> tuple:
-        """Calls of the large regime on a shared result for one parity: (load, reduce, pull).
+        """Calls of the large regime on a shared result for one parity: (load, reduce).
 
         load: a private input into this rank's own shared result before "arrived"; reduce:
-        this rank's block across all inputs, written into every rank's result; pull: nothing
-        (every rank's result is complete once every rank published "done"). The slots are not
-        used (a private result goes through :meth:`_bind_chunks`).
+        this rank's block across all inputs, written into every rank's result (complete once
+        every rank published "done": nothing to copy out). The slots are not used (a private
+        result goes through :meth:`_bind_chunks`).
         """
         node, result = self._node, self._result
         rank, p, count, dtype = node.rank, node.size, result.size, result.dtype
@@ -786,7 +786,7 @@ class ShmPlan(_PlanBase):
             reduce.append(partial(np.divide, target, self._nranks, target))
         reduce += [partial(np.copyto, outputs[q][lo:hi], target)
                    for q in range(p) if q != rank]
-        return tuple(load), tuple(reduce), ()
+        return tuple(load), tuple(reduce)
 
     # -- running --------------------------------------------------------------------------------
 
@@ -955,16 +955,15 @@ class ShmPlan(_PlanBase):
 
     def _run_large(self, node: Node, epoch: int, timeout, deadline) -> None:
         parity = epoch & 1
-        load, reduce, pull = self._programs[parity]
+        load, reduce = self._programs[parity]
         for call in load:
             call()
         self._sign(node, parity, timeout)
         self._arrive(node, epoch, 2 * epoch - 1, timeout, deadline, 0)
         for call in reduce:
             call()
+        # every rank's result is complete once every rank wrote its block into it
         self._arrive(node, epoch, 2 * epoch, timeout, deadline, 1)
-        for call in pull:
-            call()
 
     def _run_chunks(self, node: Node, epoch: int, timeout, deadline) -> None:
         """The chunked large regime (:meth:`_bind_chunks`). The first chunk's input, with the
