@@ -169,6 +169,46 @@ def test_predict_command_prints_every_algorithm_and_a_winner():
     assert sum(row[-1] == "*" for row in rows) == 18  # one winner per size, 8 B .. 1 MiB
 
 
+def test_the_star_and_the_winners_line_name_native_where_it_is_predicted_fastest():
+    """Issue 34, item 10: the winner of a size is its fastest row, native included, so the star
+    and ``# winners`` agree with the vs_native column (64 ranks, 8 per node: the built-in
+    machine predicts native fastest at the small sizes, schedules at the large ones)."""
+    import io
+
+    from mpiallreduce.sizes import human
+
+    out = io.StringIO()
+    assert main(["predict", "--ranks", "64", "--ranks-per-node", "8", "--sizes", "8:1M"],
+                out=out) == 0
+    lines = out.getvalue().splitlines()
+    by_size: dict[int, list[list[str]]] = {}
+    for line in lines:
+        if not line.startswith("#"):
+            fields = line.split()
+            by_size.setdefault(int(fields[0]), []).append(fields)
+    starred = {}
+    for size, rows in by_size.items():
+        stars = [row for row in rows if row[-1] == "*"]
+        assert len(stars) == 1, size
+        star_ratio = float(stars[0][4])
+        # vs_native = native/time: no row is faster than the starred one, native included
+        assert all(float(row[4]) <= star_ratio for row in rows), (size, stars[0])
+        assert star_ratio >= 1.0, (size, stars[0])  # never starred where native is faster
+        starred[size] = stars[0][1]
+    assert starred[8] == "native" and starred[1 << 20] != "native"
+    winners = next(line for line in lines if line.startswith("# winners: "))
+    runs = []  # the winners line from the stars: consecutive sizes with one winner merge
+    for size in sorted(starred):
+        if runs and runs[-1][0] == starred[size]:
+            runs[-1][2] = size
+        else:
+            runs.append([starred[size], size, size])
+    assert winners == "# winners: " + "; ".join(
+        f"{human(lo)}{'' if lo == hi else '..' + human(hi)} {name}" for name, lo, hi in runs)
+    assert winners.startswith("# winners: 8..")
+    assert winners.split("; ")[0].endswith(" native")
+
+
 @pytest.mark.parametrize("argv", [["predict", "--ranks", "0"],
                                   ["predict", "--ranks", "8", "--sizes", "3:8"],
                                   ["predict", "--ranks", "8", "--algorithms", "nope"],

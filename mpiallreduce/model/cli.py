@@ -121,8 +121,9 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
                   names: Sequence[str], machine: Machine, dtype="float32",
                   commutative: bool = True, in_place: bool = False,
                   intra: str = "auto") -> list[dict]:
-    """Return one row per (size, algorithm): time, busbw, winner flag, messages, inter bytes;
-    ``intra`` for the algorithms that take it (hierarchical, cascade)."""
+    """Return one row per (size, algorithm): time, busbw, winner flag (the fastest of the
+    size, native included), messages, inter bytes; ``intra`` for the algorithms that take it
+    (hierarchical, cascade)."""
     topology = Topology.simulated(nranks, ranks_per_node or nranks)
     itemsize = np.dtype(dtype).itemsize
     rows = []
@@ -141,9 +142,10 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
                                      in_place=in_place, **params))
             except ValueError as error:
                 rows.append({"size": size, "algorithm": name, "skipped": str(error)})
-        # the winner among the schedules; native (MPI's C code, modelled) is the reference
-        schedules = [p for p in found if p.name != "native"] or found
-        best = min(schedules, key=lambda p: p.time).name if found else None
+        # the winner is the fastest row, native included, so the star agrees with vs_native;
+        # on a tie native wins (nothing is gained by leaving MPI's own Allreduce)
+        best = (min(found, key=lambda p: (p.time, p.name != "native")).name if found
+                else None)
         native = next((p.time for p in found if p.name == "native"), None)
         for result in found:
             rows.append({"size": size, "algorithm": result.name, "time_us": result.time * 1e6,
@@ -222,7 +224,7 @@ def _run_predict(opts, out) -> int:
           + ("; measured link curves" if machine.intra.curve or machine.inter.curve else ""),
           file=out)
     print("# busbw = size/time*2(p-1)/p (GB/s); vs_native = native/time; * marks the fastest "
-          "schedule of the size", file=out)
+          "of the size, native included", file=out)
     print(f"# native: Open MPI 5.0 coll/tuned's fixed decision table in C ("
           f"{_native_ranges(opts.ranks, sizes, dtype)}), plus its per-call copy of the message "
           f"and mpi4py's call ({machine.native_call * 1e6:.2f} us), no interpreter terms",
@@ -252,8 +254,8 @@ def _run_predict(opts, out) -> int:
                 winners[-1] = (row["algorithm"], winners[-1][1], row["size"])
             else:
                 winners.append((row["algorithm"], row["size"], row["size"]))
-    print("# winners: " + "; ".join(f"{human(lo)}..{human(hi)} {name}"
-                                    for name, lo, hi in winners), file=out)
+    print("# winners: " + "; ".join(f"{_span(lo, hi)} {name}" for name, lo, hi in winners),
+          file=out)
     if SHARP in names:
         print(_sharp_summary(rows), file=out)
     print(f"# predicted in {time.perf_counter() - start:.1f} s", file=out)
@@ -261,6 +263,11 @@ def _run_predict(opts, out) -> int:
         plot_size = _sizes(opts.plot_size)[0] if opts.plot_size else sizes[-1]
         _plot(opts.plot, rows, opts.ranks, opts.ranks_per_node, names, plot_size, machine, dtype)
     return 0
+
+
+def _span(lo: int, hi: int) -> str:
+    """A range of sizes: ``8..2K``, or ``32K`` alone."""
+    return human(lo) if lo == hi else f"{human(lo)}..{human(hi)}"
 
 
 def _native_ranges(nranks: int, sizes: Sequence[int], dtype) -> str:
@@ -272,7 +279,7 @@ def _native_ranges(nranks: int, sizes: Sequence[int], dtype) -> str:
             runs[-1][2] = size
         else:
             runs.append([name, size, size])
-    return "; ".join(f"{human(lo)}..{human(hi)} {name}" for name, lo, hi in runs)
+    return "; ".join(f"{_span(lo, hi)} {name}" for name, lo, hi in runs)
 
 
 def _print_switch(switch: Switch, nranks: int, per_node: int, out) -> None:
@@ -306,7 +313,7 @@ def _sharp_summary(rows: list[dict]) -> str:
             run[2], run[3], run[4] = size, min(run[3], ratio), max(run[4], ratio)
         else:
             runs.append([wins, size, size, ratio, ratio])
-    parts = [f"{'wins' if wins else 'loses'} {human(lo)}..{human(hi)} ({low:.2g}-{high:.2g}x)"
+    parts = [f"{'wins' if wins else 'loses'} {_span(lo, hi)} ({low:.2g}-{high:.2g}x)"
              for wins, lo, hi, low, high in runs]
     return ("# sharp against the faster of cascade and hierarchical (time ratio): "
             + ("; ".join(parts) if parts else "not compared (cascade/hierarchical not run)"))
