@@ -375,43 +375,97 @@ def test_no_validate_and_quiet(shared_dir):
 
 # -- repeats, spread and recommendations -------------------------------------------------------------
 
-def _row(size, name, avg, ratio, lo=float("nan"), hi=float("nan"), repeats=1):
+def _row(size, name, avg, ratio, lo=float("nan"), hi=float("nan"), repeats=1, rounds=None,
+         runs=""):
     return bench.Row(size, size // 4, name, 10, 1, avg, avg, avg, 1.0, 1.0, ratio, "ok", repeats,
-                     avg, avg, lo, hi)
+                     avg, avg, lo, hi, runs, tuple(rounds or [avg] * repeats))
 
 
-def test_auto_that_ran_native_is_never_recommended_over_native():
-    # measured first and cold, auto (which is native at 8 B) once came out "1.53x faster"
-    auto = _row(8, "auto", 1.0, 1.53, 1.4, 1.6, 3)
-    auto.runs = "native"
-    rows = [_row(8, "native", 1.53, 1.0, 1.0, 1.0, 3), auto]
-    assert bench.recommendations(rows) == [
-        "# recommend 8: native (nothing beats it beyond the measured spread)"]
-    auto.runs = "recursive_doubling"  # auto that ran a schedule is judged as the schedule
-    assert bench.recommendations(rows)[0].startswith("# recommend 8: auto (faster than native")
+def _advice(rows):
+    lines = bench.recommendations(rows)
+    return lines[0], lines[1:]
 
 
-def test_a_lead_within_the_spread_is_not_a_win():
-    rows = [_row(8, "native", 2.0, 1.0, 1.0, 1.0, 3), _row(8, "ring", 1.9, 1.05, 0.8, 1.3, 3),
-            _row(1 << 20, "native", 900.0, 1.0, 1.0, 1.0, 3),
-            _row(1 << 20, "ring", 500.0, 1.8, 1.6, 1.9, 3),
-            _row(2 << 20, "native", 1800.0, 1.0, 1.0, 1.0, 3),
-            _row(2 << 20, "ring", 1000.0, 1.8, 1.7, 1.9, 3)]
+def test_the_advice_leads_with_what_auto_picked_and_its_ratio_to_the_best():
+    rows = []
+    for size, ran, auto, best in ((8, "native", 10.0, 10.0), (16, "native", 10.4, 10.0),
+                                  (1 << 20, "shm", 50.0, 50.0), (2 << 20, "shm", 131.0, 100.0)):
+        rows += [_row(size, "native", best, 1.0, repeats=3, rounds=[best, best, 1.5 * best]),
+                 _row(size, "ring", best * 1.3, 0.77, repeats=3),
+                 _row(size, "auto", auto, best / auto, repeats=3, runs=ran)]
+    lead, recommend = _advice(rows)
+    assert lead == ("# auto picked (its median time / the best measured median): "
+                    "native 8 1.00x, 16 1.04x; shm 1M 1.00x, 2M 1.31x")
+    # native's median is 1.31x faster at 2M, but it lost the third round
+    assert recommend == ["# recommend auto at every size: nothing beat it by more than 10% in "
+                         "every one of 3 rounds"]
+
+
+def test_recommend_only_a_lead_beyond_the_margin_in_every_round():
+    """Issue 34, item 11: a candidate that beats auto by more than the margin in every round is
+    recommended; one that wins the median but loses a round is not, nor is a tie."""
+    auto = [100.0, 100.0, 100.0]
+    rows = [
+        # 1M: ring wins every round by 20-25%: recommended
+        _row(1 << 20, "native", 100.0, 1.0, repeats=3),
+        _row(1 << 20, "auto", 100.0, 1.0, repeats=3, rounds=auto, runs="shm"),
+        _row(1 << 20, "ring", 82.0, 1.2, repeats=3, rounds=[80.0, 82.0, 83.0]),
+        # 2M: ring wins the median by far but loses one round: not recommended
+        _row(2 << 20, "native", 100.0, 1.0, repeats=3),
+        _row(2 << 20, "auto", 100.0, 1.0, repeats=3, rounds=auto, runs="shm"),
+        _row(2 << 20, "ring", 60.0, 1.7, repeats=3, rounds=[60.0, 55.0, 101.0]),
+        # 4M: a tie, and a lead within the margin in every round, are not recommended
+        _row(4 << 20, "native", 100.0, 1.0, repeats=3),
+        _row(4 << 20, "auto", 100.0, 1.0, repeats=3, rounds=auto, runs="shm"),
+        _row(4 << 20, "ring", 100.0, 1.0, repeats=3, rounds=auto),
+        _row(4 << 20, "tree", 95.0, 1.05, repeats=3, rounds=[95.0, 94.0, 92.0]),
+        # 8M: the algorithm auto ran is never recommended over auto, however noisy
+        _row(8 << 20, "native", 100.0, 1.0, repeats=3),
+        _row(8 << 20, "auto", 100.0, 1.0, repeats=3, rounds=auto, runs="shm"),
+        _row(8 << 20, "shm", 70.0, 1.4, repeats=3, rounds=[70.0, 70.0, 70.0]),
+    ]
+    lead, recommend = _advice(rows)
+    assert lead == ("# auto picked (its median time / the best measured median): "
+                    "shm 1M 1.22x, 2M 1.67x, 4M 1.05x, 8M 1.43x")
+    assert recommend == [
+        "# recommend 1M: ring, not auto (ran shm): faster by more than 10% in every one of 3 "
+        "rounds (auto's time / its time, worst round: 1M 1.20x)"]
+    assert bench.RECOMMEND_MARGIN == 0.10
+
+
+def test_a_run_without_auto_takes_native_as_the_baseline():
+    rows = [_row(8, "native", 2.0, 1.0, repeats=3), _row(8, "ring", 1.9, 1.05, 0.8, 1.3, 3,
+                                                          rounds=[1.9, 1.5, 2.2]),
+            _row(1 << 20, "native", 900.0, 1.0, repeats=3),
+            _row(1 << 20, "ring", 500.0, 1.8, 1.6, 1.9, 3, rounds=[500.0, 480.0, 560.0]),
+            _row(2 << 20, "native", 1800.0, 1.0, repeats=3),
+            _row(2 << 20, "ring", 1000.0, 1.8, 1.7, 1.9, 3, rounds=[1000.0, 1050.0, 950.0])]
     lines = bench.summary_lines(rows, ["native", "ring"])
     assert "# ring: mean busbw 1.0000 GB/s over 3 size(s); faster than native at 2 size(s): " \
            "1M (1.80x), 2M (1.80x)" in lines
-    recommend = [line for line in lines if line.startswith("# recommend")]
-    assert recommend == [
-        "# recommend 8: native (nothing beats it beyond the measured spread; ahead by less than "
-        "the spread: ring 8 (1.05x))",
-        "# recommend 1M-2M: ring (faster than native: 1M 1.80x, 2M 1.80x; in every round)"]
+    assert "# auto not measured" in lines[-2]
+    assert lines[-1] == ("# recommend 1M-2M: ring, not native: faster by more than 10% in every "
+                         "one of 3 rounds (native's time / its time, worst round: 1M 1.61x, "
+                         "2M 1.71x)")
+
+
+def test_fewer_rounds_than_needed_recommend_nothing_but_auto():
+    rows = [_row(2 << 20, "native", 100.0, 1.0), _row(2 << 20, "ring", 50.0, 2.0),
+            _row(2 << 20, "auto", 100.0, 1.0, runs="native")]
+    lines = bench.summary_lines(rows, ["native", "ring", "auto"])
+    assert "# ring: mean busbw 1.0000 GB/s over 1 size(s); faster than native at 1 size(s): " \
+           "2M (2.00x)" in lines
+    assert lines[-2] == ("# auto picked (its median time / the best measured median): "
+                         "native 2M 2.00x")
+    assert lines[-1] == ("# recommend auto: 1 round(s) cannot back another choice (rerun with "
+                         "--repeat 3: a recommendation needs a lead of more than 10% in every "
+                         "round)")
 
 
 def test_one_round_never_calls_1_00x_a_win():
     rows = [_row(2 << 20, "native", 100.0, 1.0), _row(2 << 20, "ring", 99.8, 1.002)]
     lines = bench.summary_lines(rows, ["native", "ring"])
     assert "# ring: mean busbw 1.0000 GB/s over 1 size(s); never faster than native" in lines
-    assert lines[-1].startswith("# recommend 2M: native")
 
 
 @pytest.mark.parametrize("argv, message", [(["--repeat", "0"], "--repeat 0"),
@@ -434,8 +488,10 @@ def test_repeats_and_call_modes_in_one_table():
     assert all("spread " in line for line in text.splitlines()
                if line.strip() and not line.startswith("#"))
     assert "# ring/call: mean busbw" in text and "time / comm.Allreduce: 8 " in text
-    # one range, or two where a lead at one size beat the spread of these two short rounds
-    assert "# recommend 8-16: " in text or ("# recommend 8: " in text and "# recommend 16: " in text)
+    # auto was not measured, and two rounds back no recommendation
+    assert "# auto not measured" in text
+    assert "# recommend native: 2 round(s) cannot back another choice" in text
+    assert text.count("# recommend") == 1
 
 
 def test_trace_takes_one_size():

@@ -17,7 +17,7 @@ the same on every rank.
 
 Modules: ``options`` (the command line, its defaults and checks, the cases it selects),
 ``measure`` (one size's input, reference, timed and validated runs), ``report`` (header, rows,
-summary and recommendation, JSON, CSV, plot), ``cli`` (the sweep and :func:`main`).
+summary and advice, JSON, CSV, plot), ``cli`` (the sweep and :func:`main`).
 """
 
 from ..ops import OP_NAMES
@@ -37,6 +37,8 @@ from .options import (
     MIN_ITERATIONS,
     MPI_CALL,
     MPI_INIT,
+    RECOMMEND_MARGIN,
+    RECOMMEND_ROUNDS,
     HelpShown,
     Options,
     build_parser,
@@ -61,6 +63,7 @@ from .report import (
 __all__ = [
     "APIS", "BUDGET_BYTES", "DEFAULT_SIZES", "EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "ITERATION_RULE",
     "MAX_ITERATIONS", "MIN_ITERATIONS", "MPI_CALL", "MPI_INIT", "OP_NAMES", "RANKS_PER_NODE_ENV",
+    "RECOMMEND_MARGIN", "RECOMMEND_ROUNDS",
     "Case", "HelpShown", "Options", "Row", "UsageError", "build_parser", "check_outputs",
     "default_iterations", "format_row", "header_lines", "human", "main", "make_input", "metadata",
     "op_of", "parse_algorithms", "parse_apis", "parse_args", "parse_size", "parse_sizes", "plot",

@@ -88,7 +88,7 @@ def run(comm, opts: Options, out=None, recorder=None) -> tuple[list[Row], list[s
                       ("ok" if ok else "FAIL") if opts.validate else "-", len(measured),
                       min(m[0] for m in measured), max(m[0] for m in measured),
                       min(ratios, default=float("nan")), max(ratios, default=float("nan")),
-                      case.picked.get(label, ""))
+                      case.picked.get(label, ""), tuple(m[0] for m in measured))
             rows.append(row)
             if show or (root and not ok):
                 lines.append(format_row(row, opts.width, opts.repeat > 1))

@@ -43,6 +43,7 @@ class Row:
     vs_native_lo: float = float("nan")  # lowest and highest round's ratio to native
     vs_native_hi: float = float("nan")
     runs: str = ""  # the algorithm a plan row ran (for auto: what it picked at this size)
+    rounds_us: tuple[float, ...] = ()  # each round's avg, in the order run (--repeat)
 
 
 def make_input(count: int, dtype: np.dtype, op: str, rank: int, seed: int = 2024) -> np.ndarray:

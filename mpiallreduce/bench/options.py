@@ -28,6 +28,13 @@ MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 1000, 20, 64 * 2**20
 #: the rule in words (the help text and the metadata).
 ITERATION_RULE = (f"min({MAX_ITERATIONS}, {BUDGET_BYTES // 2**20}M/size), "
                   f"at least {MIN_ITERATIONS}")
+#: the lead over ``auto`` that an algorithm needs in every round to be recommended instead:
+#: auto's time more than (1 + RECOMMEND_MARGIN) times its own, round by round (the rounds are
+#: interleaved, so each one compares the two under the same load).
+RECOMMEND_MARGIN = 0.10
+#: the fewest rounds (--repeat) that can back a recommendation: on a shared machine one or two
+#: rounds cannot tell a lead from the load of the moment.
+RECOMMEND_ROUNDS = 3
 
 
 class HelpShown(Exception):
@@ -165,8 +172,10 @@ def build_parser(printing: bool = True) -> _Parser:
                              "are named ALGORITHM/MODE (default: plan)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
                         help="measure every size R times, the algorithms interleaved in each round; "
-                             "rows show the median and the spread across rounds, and the closing "
-                             "recommendation says whether a lead exceeds it (default: 1)")
+                             "rows show the median and the spread across rounds; from "
+                             f"{RECOMMEND_ROUNDS} rounds the closing advice recommends another "
+                             "algorithm than auto where it was more than "
+                             f"{RECOMMEND_MARGIN * 100:.0f}%% faster in every round (default: 1)")
     parser.add_argument("--in-place", action="store_true",
                         help="reduce in place (sendbuf = MPI.IN_PLACE) (default: off)")
     parser.add_argument("--no-validate", dest="validate", action="store_false",

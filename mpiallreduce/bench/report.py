@@ -20,7 +20,14 @@ import mpiallreduce as mar
 from ..sizes import human
 from ..topology import RANKS_PER_NODE_ENV, Topology
 from .measure import Row
-from .options import ITERATION_RULE, MPI_CALL, MPI_INIT, Options
+from .options import (
+    ITERATION_RULE,
+    MPI_CALL,
+    MPI_INIT,
+    RECOMMEND_MARGIN,
+    RECOMMEND_ROUNDS,
+    Options,
+)
 
 
 def _layout(comm, ranks_per_node: int | None) -> tuple[str, int]:
@@ -114,44 +121,88 @@ def _span(sizes: list[int]) -> str:
     return human(sizes[0]) if len(sizes) == 1 else f"{human(sizes[0])}-{human(sizes[-1])}"
 
 
+def _runs(items: list[tuple[object, int]]) -> list[tuple[object, list[int]]]:
+    """Merge consecutive (key, size) items with one key into (key, sizes)."""
+    merged: list[tuple[object, list[int]]] = []
+    for key, size in items:
+        if merged and merged[-1][0] == key:
+            merged[-1][1].append(size)
+        else:
+            merged.append((key, [size]))
+    return merged
+
+
+def _wins_every_round(row: Row, base: Row) -> bool:
+    """True where ``row`` beat ``base`` by more than the margin in every round, the rounds paired
+    as they were run (both measured in each)."""
+    if len(row.rounds_us) != len(base.rounds_us) or len(row.rounds_us) < RECOMMEND_ROUNDS:
+        return False
+    return all(theirs > (1 + RECOMMEND_MARGIN) * mine
+               for mine, theirs in zip(row.rounds_us, base.rounds_us))
+
+
 def recommendations(rows: list[Row]) -> list[str]:
-    """Per range of sizes, the fastest way to call (plan rows; median time), and whether it
-    beats native by more than the spread measured."""
+    """Return the advice: one line on what ``auto`` picked per size and its median time against
+    the best measured, then a ``# recommend`` line only where another algorithm beat auto in
+    every round by more than :data:`RECOMMEND_MARGIN` (native is the baseline in a run without
+    auto). Plan rows only: the call modes are timed against comm.Allreduce instead."""
     plans = [r for r in rows if r.algorithm not in (MPI_CALL, MPI_INIT) and "/" not in r.algorithm]
-    best: dict[int, Row] = {}
+    by_size: dict[int, dict[str, Row]] = {}
     for row in plans:
-        if row.size not in best or row.avg_us < best[row.size].avg_us:
-            best[row.size] = row
-    groups: list[tuple[str, list[Row]]] = []
-    for size in sorted(best):
-        row = best[size]
-        # auto where it ran native is native: never "faster than native" by noise alone
-        name = row.algorithm if row.runs != "native" and _beats_native(row) else "native"
-        if groups and groups[-1][0] == name:
-            groups[-1][1].append(row)
-        else:
-            groups.append((name, [row]))
+        by_size.setdefault(row.size, {})[row.algorithm] = row
+    base_name = "auto" if any("auto" in mine for mine in by_size.values()) else "native"
+    sizes = sorted(size for size, mine in by_size.items() if base_name in mine)
+    rounds = max((by_size[size][base_name].repeats for size in sizes), default=0)
+    margin = f"{RECOMMEND_MARGIN:.0%}"
     lines = []
-    for name, group in groups:
-        sizes = [r.size for r in group]
-        if name == "native":
-            close = [f"{r.algorithm} {human(r.size)} ({r.vs_native:.2f}x)" for r in group
-                     if r.algorithm != "native" and r.runs != "native"]
-            note = (f"; ahead by less than the spread: {', '.join(close)}" if close else "")
-            lines.append(f"# recommend {_span(sizes)}: native (nothing beats it beyond the "
-                         f"measured spread{note})")
-        else:
-            ratios = ", ".join(f"{human(r.size)} {r.vs_native:.2f}x" for r in group)
-            spread = ("in every round" if group[0].repeats > 1
-                      else "one round: rerun with --repeat 3 to see the spread")
-            lines.append(f"# recommend {_span(sizes)}: {name} (faster than native: {ratios}; "
-                         f"{spread})")
+    if base_name == "auto":
+        picks = []  # ((what auto ran, auto's time / the best's), size)
+        for size in sizes:
+            auto = by_size[size]["auto"]
+            best = min(r.avg_us for r in by_size[size].values())
+            picks.append(((auto.runs or "auto", auto.avg_us / best), size))
+        ratio = {size: value for (_, value), size in picks}
+        parts = []
+        for ran, group in _runs([(ran, size) for (ran, _), size in picks]):
+            same = _runs([(f"{ratio[size]:.2f}", size) for size in group])
+            parts.append(f"{ran} " + ", ".join(f"{_span(run)} {text}x" for text, run in same))
+        lines.append("# auto picked (its median time / the best measured median): "
+                     + "; ".join(parts))
+    else:
+        lines.append("# auto not measured (add it to --algorithms): the advice below takes "
+                     "native as the baseline")
+    if rounds < RECOMMEND_ROUNDS:
+        return lines + [f"# recommend {base_name}: {rounds} round(s) cannot back another choice "
+                        f"(rerun with --repeat {RECOMMEND_ROUNDS}: a recommendation needs a lead "
+                        f"of more than {margin} in every round)"]
+    found = []  # ((recommended, what the baseline ran), size), with its worst round's ratio
+    worst: dict[int, float] = {}
+    for size in sizes:
+        base = by_size[size][base_name]
+        ran = base.runs or base_name
+        winners = [r for r in by_size[size].values()
+                   if r.algorithm not in (base_name, ran) and _wins_every_round(r, base)]
+        if winners:
+            pick = min(winners, key=lambda r: r.avg_us)
+            found.append(((pick.algorithm, ran), size))
+            worst[size] = min(theirs / mine for mine, theirs in zip(pick.rounds_us,
+                                                                    base.rounds_us))
+    if not found:
+        return lines + [f"# recommend {base_name} at every size: nothing beat it by more than "
+                        f"{margin} in every one of {rounds} rounds"]
+    for (name, ran), group in _runs(found):
+        what = f"{base_name} (ran {ran})" if ran != base_name else base_name
+        lines.append(f"# recommend {_span(group)}: {name}, not {what}: faster by more than "
+                     f"{margin} in every one of {rounds} rounds ({base_name}'s time / its time, "
+                     f"worst round: " + ", ".join(f"{human(s)} {worst[s]:.2f}x" for s in group)
+                     + ")")
     return lines
 
 
 def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
     """Return one closing line per algorithm (mean busbw, the sizes where it beat native beyond
-    the spread, or its cost against comm.Allreduce for the call modes), then recommendations."""
+    the spread, or its cost against comm.Allreduce for the call modes), then the advice
+    (:func:`recommendations`)."""
     repeats = max((r.repeats for r in rows), default=1)
     beyond = (f"in all {repeats} rounds" if repeats > 1
               else "by at least 1%; one round, no spread measured")
@@ -193,7 +244,9 @@ def write_csv(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(Row.__dataclass_fields__))
         writer.writeheader()
         for row in rows:
-            writer.writerow(asdict(row))
+            record = asdict(row)
+            record["rounds_us"] = " ".join(f"{t:.6g}" for t in row.rounds_us)
+            writer.writerow(record)
 
 
 def plot(runs: list[tuple[str, list[dict]]], path: str, title: str) -> None:
