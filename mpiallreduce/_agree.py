@@ -67,25 +67,28 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
     one node's memory (after the first ``shm`` call), the check runs over the shared headers
     instead of a collective (:meth:`mpiallreduce.shm.Node.agree`).
     """
-    node = checker.Get_attr(CHECK_KEYVAL)
-    if node is not None:
-        if not node.agree(signature, timeout, what, fail or _ignore) or error is not None:
-            disagree(checker, what, signature.fields, error, names)
-        return
-    if timeout is None:
-        checker.Allreduce(signature.packed, signature.result, MPI.MAX)
-    else:
-        wait_or_fail(
-            [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)],
-            time.monotonic() + timeout,
-            lambda reason, pending: fail(reason, pending, (signature,)),
-            lambda: (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
-                     f"within {timeout:g} s; some rank of the communicator has not made this "
-                     f"call, or runs calls on it in a different order, or passed check=False "
-                     f"(no data has moved yet)"))
-    if signature.result == signature.packed and error is None:
-        return
-    disagree(checker, what, signature.fields, error, names)
+    try:
+        node = checker.Get_attr(CHECK_KEYVAL)
+        if node is not None:
+            if not node.agree(signature, timeout, what, fail or _ignore) or error is not None:
+                disagree(checker, what, signature.fields, error, names)
+            return
+        if timeout is None:
+            checker.Allreduce(signature.packed, signature.result, MPI.MAX)
+        else:
+            wait_or_fail(
+                [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)],
+                time.monotonic() + timeout,
+                lambda reason, pending: fail(reason, pending, (signature,)),
+                lambda: (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
+                         f"within {timeout:g} s; some rank of the communicator has not made this "
+                         f"call, or runs calls on it in a different order, or passed check=False "
+                         f"(no data has moved yet)"))
+        if signature.result == signature.packed and error is None:
+            return
+        disagree(checker, what, signature.fields, error, names)
+    finally:
+        error = None  # the exception, raised through this frame, would hold it: a cycle
 
 
 def _ignore(*args) -> None:
@@ -95,34 +98,57 @@ def _ignore(*args) -> None:
 def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exception | None,
              names: tuple[str, ...]) -> None:
     """The slow path: exchange signatures and errors, raise one exception on every rank."""
-    table = checker.allgather((mine, None if error is None else (type(error), str(error))))
-    failed = [rank for rank, (fields, _) in enumerate(table) if fields[0]]
-    if failed:
-        reports = [table[rank][1] for rank in failed]
-        if error is not None and len(failed) == len(table) and len(set(reports)) == 1:
-            raise error  # the same bad input everywhere: the plain local message
-        groups: dict[tuple, list[int]] = {}
-        for rank, report in zip(failed, reports):
-            groups.setdefault(report, []).append(rank)
-        message = f"{what}: bad input on " + "; ".join(
-            f"{_ranks(ranks)}: {text}" for (_, text), ranks in groups.items())
-        raise _same_kind(reports[0][0], message) from error
+    try:
+        table = checker.allgather((mine, None if error is None else (type(error), str(error))))
+        failed = [rank for rank, (fields, _) in enumerate(table) if fields[0]]
+        if failed:
+            reports = [table[rank][1] for rank in failed]
+            if error is not None and len(failed) == len(table) and len(set(reports)) == 1:
+                raise error  # the same bad input everywhere: the plain local message
+            groups: dict[tuple, list[int]] = {}
+            for rank, report in zip(failed, reports):
+                groups.setdefault(report, []).append(rank)
+            message = f"{what}: bad input on " + "; ".join(
+                f"{_ranks(ranks)}: {text}" for (_, text), ranks in groups.items())
+            raise _same_kind(reports[0][0], message) from error
+        problems = []
+        for column, name in enumerate(FIELDS):
+            values = [fields[column] for fields, _ in table]
+            if column == 0 or len(set(values)) == 1:
+                continue
+            if name == "auto's inputs":  # two facts in one word: say which of them differs
+                problems.extend(_inputs_differ(values))
+                continue
+            groups = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(value, []).append(rank)
+            problems.append(f"{name} differs: " + "; ".join(
+                f"{describe(name, value, names)} on {_ranks(ranks)}" for value, ranks in groups.items()))
+        if not problems:  # the same arguments, but not the same call at this point
+            raise ValueError(f"{what}: ranks run different calls at this point with the same "
+                             f"arguments (plans and calls on this communicator in different orders, "
+                             f"or a call whose arguments some ranks check where others run a plan)")
+        raise ValueError(f"{what} called with different arguments on different ranks: "
+                         + "; ".join(problems))
+    finally:
+        error = None  # the exception, raised through this frame, would hold it: a cycle
+
+
+def _inputs_differ(values: list[int]) -> list[str]:
+    """What differs in the "auto's inputs" word (bit 1: in place; bit 0: the native library
+    saturates 8/16-bit sums), said as what each rank did."""
     problems = []
-    for column, name in enumerate(FIELDS):
-        values = [fields[column] for fields, _ in table]
-        if column == 0 or len(set(values)) == 1:
-            continue
-        groups = {}
+    for bit, what, says in ((2, "sendbuf", ("passed a send buffer", "passed MPI.IN_PLACE")),
+                            (1, "the MPI library", ("wraps 8/16-bit sums",
+                                                    "saturates 8/16-bit sums"))):
+        groups: dict[bool, list[int]] = {}
         for rank, value in enumerate(values):
-            groups.setdefault(value, []).append(rank)
-        problems.append(f"{name} differs: " + "; ".join(
-            f"{describe(name, value, names)} on {_ranks(ranks)}" for value, ranks in groups.items()))
-    if not problems:  # the same arguments, but not the same call at this point
-        raise ValueError(f"{what}: ranks run different calls at this point with the same "
-                         f"arguments (plans and calls on this communicator in different orders, "
-                         f"or a call whose arguments some ranks check where others run a plan)")
-    raise ValueError(f"{what} called with different arguments on different ranks: "
-                     + "; ".join(problems))
+            groups.setdefault(bool(value & bit), []).append(rank)
+        if len(groups) > 1:
+            problems.append(f"{what} differs: " + "; ".join(
+                f"{_ranks(ranks)} {says[flag]}" for flag, ranks in sorted(
+                    groups.items(), key=lambda item: item[1][0])))
+    return problems
 
 
 def _same_kind(kind: type, message: str) -> Exception:
@@ -170,8 +196,11 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
             signature.shm[-1] = carry.word(call)
     except Exception as exc:  # noqa: BLE001 - every kind must reach every rank
         error, signature = exc, Signature(bad_signature())
-    agree(state.checker, what, signature, error, COLLECTIVE_ALGORITHMS[collective], valid,
-          state.fail)
+    try:
+        agree(state.checker, what, signature, error, COLLECTIVE_ALGORITHMS[collective], valid,
+              state.fail)
+    finally:
+        error = None  # its traceback holds this frame: no cycle left for the garbage collector
     if carry is not None:
         carry.words = signature.carried
     return call

@@ -87,8 +87,16 @@ class Unviewable(Exception):
         try:
             MPI.buffer.frombuffer(buf, readonly=not writable)
         except Exception as exc:  # noqa: BLE001 - what mpi4py raises for this buffer
-            return cls(f"{_UNREADABLE} ({type(exc).__name__}: {exc})", exc)
+            # kept without its traceback: its frames hold the buffer (a capsule, for DLPack),
+            # and an exception kept with them makes a cycle only the garbage collector frees
+            return cls(f"{_UNREADABLE} ({type(exc).__name__}: {exc})", bare(exc))
         return cls(_READABLE)
+
+
+def bare(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback and chained exceptions (which hold frames)."""
+    exc.__context__ = exc.__cause__ = None
+    return exc.with_traceback(None)
 
 
 _READABLE = "mpi4py reads this rank's buffer"

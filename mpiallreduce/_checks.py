@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import algorithms, select
+from ._dlpack import from_dlpack
 from .ops import DTYPES, Reducer, native_deviates, reducer
 from .topology import Topology
 
@@ -40,15 +41,18 @@ def view(obj, name: str) -> np.ndarray:
     """View ``obj``'s memory as a NumPy array without copying, through the exports mpi4py reads.
 
     In mpi4py's order: the buffer protocol, then DLPack (CPU memory) for an object without a
-    working buffer protocol. An export is foreign code and may raise anything (``SystemError``
+    working buffer protocol, read as mpi4py reads it (:mod:`._dlpack`: one export, the capsule
+    not consumed). An export is foreign code and may raise anything (``SystemError``
     from a broken DLPack capsule included): every failure is a ``TypeError`` naming ``name``.
     """
     if isinstance(obj, np.ndarray):
         return obj
+    # Failures are kept as text: an exception kept in a local holds its traceback, whose
+    # frames hold the local (a cycle that keeps the caller's buffers until garbage collection)
     try:
         return np.asarray(memoryview(obj))
     except Exception as exc:  # noqa: BLE001 - a foreign export may raise any kind
-        failure = exc
+        failure = f"{type(exc).__name__}: {exc}"
     try:
         dlpack = hasattr(obj, "__dlpack__")
     except Exception:  # noqa: BLE001 - an attribute lookup is foreign code too
@@ -57,11 +61,11 @@ def view(obj, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be a NumPy array or expose the buffer protocol, "
                         f"got {type(obj).__name__}") from None
     try:
-        return np.from_dlpack(obj)
+        return from_dlpack(obj)
     except Exception as exc:  # noqa: BLE001 - a foreign export may raise any kind
-        raise TypeError(f"{name}: NumPy cannot view this {type(obj).__name__} on the CPU "
-                        f"(buffer protocol: {type(failure).__name__}: {failure}; DLPack: "
-                        f"{type(exc).__name__}: {exc})") from None
+        failure = (f"{name}: NumPy cannot view this {type(obj).__name__} on the CPU (buffer "
+                   f"protocol: {failure}; DLPack: {type(exc).__name__}: {exc})")
+    raise TypeError(failure)
 
 
 def as_array(obj, name: str, writable: bool) -> np.ndarray:

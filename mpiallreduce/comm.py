@@ -28,6 +28,7 @@ from ._agree import prepare
 from ._buffers import (
     DTYPE_SET,
     Unviewable,
+    bare,
     gather,
     message,
     might_route,
@@ -365,7 +366,7 @@ class Comm(MPI.Intracomm):
         try:
             return parse()
         except Unviewable as exc:
-            local = exc
+            local = bare(exc)  # kept past the except clause: no traceback (a frame cycle)
         if not might_route(local.dtype, op):
             return None  # the others go to MPI without agreeing, as the shared facts say
         plain = self._plain()
@@ -379,6 +380,8 @@ class Comm(MPI.Intracomm):
             prepare(what, plain, True, refuse, timeout=self._args[3])
         except Unviewable as agreed:
             settle(agreed, local.probe)
+        finally:
+            local = None  # raised again above, it holds these frames (and refuse's cell) again
         return None
 
     def _receive_counts(self, recvbuf) -> list[int] | None:
