@@ -90,9 +90,11 @@ class GradSync:
             the transfers); ``False`` starts every bucket at :meth:`wait` (nothing competes with
             backprop for the cores); ``"auto"`` (default) times :data:`PROBE_STEPS` steps each
             way, from the first ``ready`` to the end of ``wait``, and keeps the faster
-            (``overlap_mode`` says which). Either way buckets start in bucket order on every
-            rank, so ranks may differ in mode. Do not write a gradient between ``ready`` and
-            ``wait``.
+            (``overlap_mode`` says which). The choice is agreed across ranks: the mode whose
+            slowest rank's median step is shorter (one small allreduce, once), so every rank
+            keeps the same mode and starts its buckets at the same point relative to other
+            collectives. Buckets start in bucket order on every rank. Do not write a gradient
+            between ``ready`` and ``wait``.
 
     Results equal a per-array ``allreduce`` of each array element for element (the same
     additions; bit for bit where the algorithm's order of additions does not depend on an
@@ -254,15 +256,30 @@ class GradSync:
         return self.arrays
 
     def _choose_mode(self, elapsed: float) -> None:
-        """``overlap="auto"``: record this step's time; probe each mode, then keep the faster."""
+        """``overlap="auto"``: record this step's time; probe each mode, then keep the faster.
+
+        The mode decides whether buckets start in ``ready`` or in ``wait``, so it orders them
+        against every other collective on the communicator (the other sync of a
+        :class:`DelayedSync`, the caller's own): every rank must hold the same one. The probes
+        alternate by step count, alike everywhere; the final choice compares each mode's
+        slowest rank (a step lasts as long as its slowest rank's), agreed with one MAX allreduce
+        of two medians, once.
+        """
         timings = self._timings
         if self.overlap != "auto" or min(map(len, timings.values())) >= PROBE_STEPS:
             return  # a fixed mode, or the choice is made
         timings[self.overlap_mode].append(elapsed)
         if min(map(len, timings.values())) < PROBE_STEPS:
             self.overlap_mode = len(timings[True]) <= len(timings[False])
-        else:
-            self.overlap_mode = statistics.median(timings[True]) <= statistics.median(timings[False])
+            return
+        medians = np.array([statistics.median(timings[True]), statistics.median(timings[False])])
+        # MPI's own MAX: exact, so every rank compares the same two numbers. Called in the same
+        # wait() on every rank, after this sync's buckets completed. A bucket of another sync
+        # may be in flight: its plan has a tag slot (schedules) or a communicator (native) of
+        # its own, or ran whole at its start (shm), so this one-shot call cannot match it.
+        api.allreduce(MPI.IN_PLACE, medians, op=MPI.MAX, comm=self.comm, algorithm="native",
+                      check=False)
+        self.overlap_mode = bool(medians[0] <= medians[1])
 
     def synchronize(self) -> list:
         """Mark every gradient ready (in reverse order, as backprop would) and wait."""

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_identical_across_ranks, assert_matches_native, load_file
+from conftest import (
+    assert_identical_across_ranks,
+    assert_matches_native,
+    assert_on_every_rank,
+    free_comm,
+    load_file,
+    make_comm,
+)
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -196,6 +203,107 @@ def test_every_overlap_mode_gives_the_sum(overlap, algorithm):
         assert len(set(modes[2 * grad.PROBE_STEPS:])) == 1
     else:
         assert set(modes) == {overlap}
+
+
+class _StepClock:
+    """The clock grad.py reads (``time.perf_counter``), advanced by the test: a step lasts what
+    :func:`_step_seconds` says for its mode on this rank, whatever the machine does."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _step_seconds(comm, overlap_mode: bool) -> float:
+    """Even ranks find overlapped steps slow, odd ranks find waiting steps slow, so ranks that
+    chose from their own timings alone would disagree. The slowest rank is slower overlapped
+    (1 s against 0.5 s): agreed, every rank keeps ``overlap_mode = False``."""
+    even = comm.rank % 2 == 0
+    slow = overlap_mode if even else not overlap_mode
+    return (1.0 if even else 0.5) if slow else 0.01
+
+
+def _problem(comm, step, got, ref) -> str | None:
+    if got.dtype != ref.dtype or not np.array_equal(got, ref):
+        return f"rank {comm.rank}, step {step}: {got.ravel()[:4]} vs {ref.ravel()[:4]}"
+    return None
+
+
+# a 40 kB float64 bucket and small ones: both regimes where auto picks shm on one node
+DISAGREE_SHAPES = [((50, 100), "float64"), ((7,), "float64"), ((3, 4), "float32")]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["world", "dup", "split"])
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_auto_overlap_is_agreed_when_ranks_time_differently(kind, algorithm, monkeypatch):
+    """overlap="auto" keeps one mode on every rank even where each rank's own timings point
+    to another one, and the averages stay right through the probing and after it."""
+    comm = make_comm(kind)
+    clock = _StepClock()
+    monkeypatch.setattr(grad, "time", clock)
+    shapes = DISAGREE_SHAPES
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    problems = []
+    sync = mar.GradSync(grads, comm, algorithm=algorithm, bucket_bytes=256)
+    try:
+        for step in range(2 * grad.PROBE_STEPS + 3):
+            fresh = _grads(comm, step, integer_valued=True, shapes=shapes)
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            for index in reversed(range(len(grads))):
+                sync.ready(index)
+            clock.now += _step_seconds(comm, sync.overlap_mode)
+            result = sync.wait()
+            problems += [_problem(comm, step, got, _reference(comm, f, mar.AVG))
+                         for got, f in zip(result, fresh)]
+    except Exception as error:  # noqa: BLE001 - reported on every rank below
+        problems.append(f"rank {comm.rank}: {type(error).__name__}: {error}")
+    try:
+        modes = comm.allgather(sync.overlap_mode)
+        assert_on_every_rank(comm, "; ".join(p for p in problems if p) or None)
+        assert len(set(modes)) == 1, f"ranks settled on different overlap modes: {modes}"
+        assert modes[0] is False  # the mode whose slowest rank is faster
+    finally:
+        sync.free()
+        free_comm(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "native"])
+def test_delayed_sync_agrees_on_overlap_when_ranks_time_differently(algorithm, monkeypatch):
+    """DelayedSync's two GradSyncs each pick one mode on every rank, so buckets of the one in
+    flight and of the next start in the same order everywhere (different orders raised in shm's
+    header check, or hung without shm), and every late average is right."""
+    comm = MPI.COMM_WORLD
+    clock = _StepClock()
+    monkeypatch.setattr(grad, "time", clock)
+    shapes = DISAGREE_SHAPES
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    delayed = mar.DelayedSync(grads, comm, algorithm=algorithm, bucket_bytes=256)
+    problems, previous = [], None
+    try:
+        for step in range(4 * grad.PROBE_STEPS + 4):
+            fresh = _grads(comm, step, integer_valued=True, shapes=shapes)
+            if delayed.in_flight is not None:  # the step ends the in-flight sync's timing
+                clock.now += _step_seconds(comm, delayed.in_flight.overlap_mode)
+            result = delayed.step(fresh)
+            if previous is not None:
+                problems += [_problem(comm, step, got, ref) for got, ref in zip(result, previous)]
+            previous = [_reference(comm, f, mar.AVG) for f in fresh]
+        problems += [_problem(comm, "flush", got, ref)
+                     for got, ref in zip(delayed.flush(), previous)]
+    except Exception as error:  # noqa: BLE001 - reported on every rank below
+        problems.append(f"rank {comm.rank}: {type(error).__name__}: {error}")
+    try:
+        modes = comm.allgather([sync.overlap_mode for sync in delayed.syncs])
+        assert_on_every_rank(comm, "; ".join(p for p in problems if p) or None)
+        assert len(set(map(tuple, modes))) == 1, f"ranks settled on different modes: {modes}"
+        assert modes[0] == [False, False]  # the mode whose slowest rank is faster
+    finally:
+        delayed.free()
 
 
 def test_overlap_must_be_a_known_mode():
