@@ -1,8 +1,10 @@
 """What ``algorithm="auto"`` picks for (p, bytes, op, topology).
 
-An algorithm written in Python over point-to-point messages pays about 1 µs of interpreter
-time per step that MPI's native collective does not, so ``auto`` picks ``native`` unless a
-measured crossover says a schedule wins (docs/performance.md): from 32 MiB per rank,
+Where every rank is on one node, ``auto`` runs the shared-memory transport ``shm`` within the
+limits of :data:`SHM_RULES` (:func:`one_node_choice`). Elsewhere, an algorithm written in
+Python over point-to-point messages pays about 1 µs of interpreter time per step that MPI's
+native collective does not, so ``auto`` picks ``native`` unless a measured crossover says a
+schedule wins (docs/performance.md): from 32 MiB per rank,
 ``ring_segmented`` beat Open MPI 5.0.11's own ``Allreduce`` by 1.6-3.4x at 2 to 4 ranks with
 every schedule faster than native there, and the narrower ranges of :data:`RULES`. Elsewhere
 the ratios straddle 1 and ``native`` stays. Re-measure with ``python -m mpiallreduce.bench``
@@ -47,71 +49,42 @@ import zlib
 from . import algorithms
 from .ops import Reducer
 
-#: bytes per rank from which ``auto`` prefers the pipelined ring to native (measured crossover).
+#: bytes per rank from which ``auto`` prefers the pipelined ring to native: there it beat Open
+#: MPI's default at 2 to 4 ranks, as every schedule did (docs/performance.md, "Performance").
 LARGE_MESSAGE_BYTES = 32 << 20
-#: further measured crossovers of the built-in rule, commutative ops only: (fewest ranks, most
-#: ranks, least bytes, most bytes (exclusive, None: no limit), algorithm). Each range is where
-#: the schedule beat Open MPI 5.0.11's default ``Allreduce`` in every one of three interleaved
-#: bench rounds both out of place and in place (float32 SUM, this 2-core VM, docs/performance.md
-#: "Performance"): at 2 ranks recursive_doubling 1.02-1.14x in place and 2.3x out of place at
-#: 16-128 KiB, ring_segmented 1.08-1.16x in place and 1.6-1.8x out of place from 4 MiB; at 3,
-#: 4 and 5 ranks knomial 1.02-1.9x at 2-32 KiB (3 and 5 ranks to 64 KiB). Outside them the
-#: margins straddle 1 in one mode or the other and ``native`` stays.
+#: further crossovers of the built-in rule, commutative ops only: (fewest ranks, most ranks,
+#: least bytes, most bytes (exclusive, None: no limit), algorithm). Each range is where the
+#: schedule beat Open MPI's default in every interleaved bench round both out of place and in
+#: place; outside them the margins straddle 1 and ``native`` stays (measured 2026-11-30,
+#: docs/performance.md "Performance").
 RULES = (
     (2, 2, 16 << 10, 128 << 10, "recursive_doubling"),
     (2, 2, 4 << 20, None, "ring_segmented"),
     (3, 5, 2 << 10, 64 << 10, "knomial"),
 )
-#: communicator sizes (fewest, most) and bytes per rank (least, most; None: no limit) where
-#: ``auto`` runs the shared-memory transport when every rank is on one node (:mod:`.shm`).
-#: Measured at 2 ranks (float64 SUM, this 2-core VM under load from other jobs, interleaved
-#: rounds, README "Shared memory"): shm plans took 0.37-0.64 of Open MPI's default Allreduce
-#: at 8 B and 0.2-0.6 from 64 KiB, in place and out of place.
-#: With more ranks than cores (``os.cpu_count()``, the same on every rank of a node) a waiting
-#: rank gives its core away and a small call costs scheduler time slices: at 4 ranks on the 2
-#: cores, 8 B took 2.5x native's time (native yields too, but sooner) and 64 KiB 0.78x, so
-#: there ``auto`` runs shm only from :data:`SHM_OVERSUBSCRIBED_BYTES`.
-#: Measured again at 2 ranks on a quieter VM (2026-12-01 21:09, float64 SUM, bench, 3
-#: interleaved rounds, load ~2; native time / time, median round): from 4 MiB shm lost to
-#: native in both modes (out of place 0.85-1.02 at 4-16 MiB, in place 0.68-0.82) where the
-#: built-in rule's pipelined ring took 1.6-1.9 out of place and 0.76-0.95 in place; so at 2
-#: ranks shm stops at 4 MiB. 3-8 ranks outnumber this VM's cores and were not measured so.
-#: Since the large regime moves a chunk at a time (2026-12-02, another VM of the kind, float64
-#: SUM): out of place at 8 MiB shm beat the pipelined ring in 5 of the 6 jobs of
-#: scripts/native_sweep.py (861-1043 us against 942-1295) and in 3 of 3 of scripts/call_cost.py
-#: (0.43 of comm.Allreduce against auto's ring_segmented 0.57), 0.79 of the faster of native and
-#: the ring in 7 interleaved rounds (1.14 in a run under load 5); at 16 MiB 0.95 [0.77-1.17]
-#: and 1.29, at 64 MiB 0.95 and 1.59: so at 2 ranks shm runs below 16 MiB.
+#: communicator sizes (fewest, most) and bytes per rank (least, most (exclusive); None: no
+#: limit) where ``auto`` runs the shared-memory transport when every rank is on one node
+#: (:mod:`.shm`): it sends no message and has no agreement round. At 2 ranks it stops at
+#: 16 MiB: from there a private message streams through memory, and the pipelined ring, which
+#: moves fewer bytes, is as fast (docs/performance.md, "Where shm stops").
 SHM_RULES = ((2, 2, 0, 16 << 20), (3, 8, 0, None))
-#: the same, in place only: since the large regime moves a chunk at a time (shm.CHUNK_BYTES),
-#: at 2 ranks in place it beat both native and the pipelined ring from 4 MiB (2026-12-02 06:24
-#: UTC, float64 SUM, plan runs, 7 interleaved rounds, load ~3; shm time / the faster of native
-#: and ring_segmented, median round): 0.81, 0.76, 0.75, 0.79 at 4, 8, 16, 64 MiB; a run a
-#: minute earlier under load 5 gave 0.68, 0.98, 1.02, 1.34; scripts/native_sweep.py (06:26,
-#: 3 repeats) gave 520 us against the strongest native's 692 at 8 MiB (0.75) but 6.1-11.4 ms
-#: against 6.6 at 64 MiB (memory-bound: the pipelined ring moves fewer bytes), so shm stops at
-#: 32 MiB (out of place, at 16 MiB: see above).
+#: the same, in place only: with no input to read beside the result, ``shm`` stays ahead of
+#: native and the pipelined ring up to 32 MiB at 2 ranks (docs/performance.md, "Where shm
+#: stops").
 SHM_IN_PLACE_RULES = ((2, 2, 16 << 20, 32 << 20),)
+#: with more ranks than cores (``os.cpu_count()``, the same on every rank of a node) a waiting
+#: rank gives its core away and a small call pays scheduler time slices, so there ``auto`` runs
+#: ``shm`` only from this many bytes (4 ranks on 2 cores: docs/performance.md, "Shared memory").
 SHM_OVERSUBSCRIBED_BYTES = 128 << 10
 #: On one node, out of place only: (fewest ranks, most ranks, least bytes, most bytes
-#: (exclusive), algorithm) where a schedule that reduces straight out of ``sendbuf`` beat shm
-#: (the same run as above): at 2 ranks recursive_doubling took 2.98, 3.92, 4.27, 4.79, 5.29 of
-#: native's speed at 16, 32, 64, 128, 256 KiB where shm took 1.72, 1.45, 1.22, 1.26, 1.31
-#: (512 KiB: 5.72 and 8.55 with rounds from 1.4 to 9.7; at 1-2 MiB shm was ahead, 1.87 and
-#: 1.61 against 1.44 and 1.31). In place shm stays (2.13-1.30 against at most 1.18).
-#: Measured again on 2026-12-02 (06:32 UTC, another VM of the same kind, load ~1.5, plan runs,
-#: 7 interleaved rounds, two jobs): shm took 0.51, 0.64, 0.79, 0.78, 0.53, 0.55, 0.56, 0.55 of
-#: recursive_doubling's time at 16 KiB .. 2 MiB (every round below 1.03 but one at 1 MiB), so
-#: the rule is gone: shm runs there too. (Where the two VMs differ, `python -m
-#: mpiallreduce.tune` measures the machine at hand.)
+#: (exclusive), algorithm) where a schedule that reduces straight out of ``sendbuf`` beats
+#: ``shm``. Empty: at 2 ranks ``shm`` beat ``recursive_doubling`` at 16 KiB-2 MiB
+#: (docs/performance.md, "Where shm stops"); ``python -m mpiallreduce.tune`` measures yours.
 ONE_NODE_OUT_OF_PLACE_RULES: tuple = ()
 #: (fewest ranks, most ranks, most bytes (exclusive)) where the drop-in's ``Allreduce_init``
 #: (``mar.Comm``, ``algorithm="auto"``) returns MPI's own persistent request instead of a plan
-#: whose run would be ``shm``: measured at 2 ranks (2026-12-01 22:55, scripts/call_cost.py,
-#: 3 runs, float32 SUM, Start + Wait, microseconds, MPI's persistent request against the
-#: shm plan's): 1.42 against 3.28 at 8 B, 1.81 against 3.19 at 1 KiB, 4.29 against 5.24 at
-#: 2 KiB, 12.49 against 6.71 at 4 KiB (Open MPI 5's persistent allreduce leaves its fast path
-#: there) and 14.4 against 9.3 at 8 KiB.
+#: whose run would be ``shm``: below 4 KiB Open MPI 5's persistent allreduce keeps a fast path
+#: that the shm plan's Start + Wait does not reach (2 ranks, scripts/call_cost.py, 2026-12-01).
 PERSISTENT_NATIVE_RULES = ((2, 2, 4 << 10),)
 #: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
 #: per rank and the ring from here on (the results are modular either way).
