@@ -270,6 +270,11 @@ def _span(lo: int, hi: int) -> str:
     return human(lo) if lo == hi else f"{human(lo)}..{human(hi)}"
 
 
+def _ratios(low: float, high: float) -> str:
+    """Ratios as ``0.25-0.99x``, or ``1.2x`` where both round alike."""
+    return f"{low:.2g}x" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}-{high:.2g}x"
+
+
 def _native_ranges(nranks: int, sizes: Sequence[int], dtype) -> str:
     """What native runs over ``sizes``, as ranges: ``8..2K recursive_doubling; 4K.. ring``."""
     runs: list[list] = []
@@ -313,7 +318,7 @@ def _sharp_summary(rows: list[dict]) -> str:
             run[2], run[3], run[4] = size, min(run[3], ratio), max(run[4], ratio)
         else:
             runs.append([wins, size, size, ratio, ratio])
-    parts = [f"{'wins' if wins else 'loses'} {_span(lo, hi)} ({low:.2g}-{high:.2g}x)"
+    parts = [f"{'wins' if wins else 'loses'} {_span(lo, hi)} ({_ratios(low, high)})"
              for wins, lo, hi, low, high in runs]
     return ("# sharp against the faster of cascade and hierarchical (time ratio): "
             + ("; ".join(parts) if parts else "not compared (cascade/hierarchical not run)"))
