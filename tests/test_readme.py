@@ -93,3 +93,19 @@ def test_listed_examples_exist_with_main():
     assert listed == sorted(p.name for p in (ROOT / "examples").glob("*.py")), listed
     for name in listed:
         assert "\ndef main(" in (ROOT / "examples" / name).read_text(), name
+
+
+#: words with which a page keeps a measurement it says is superseded (an "older" table, a
+#: "(before: ...)" figure, a run "measured again"): the current figure stays, with where and how
+#: it was measured, and git history keeps the rest (issue 34, item 12)
+SUPERSEDED = re.compile(r"tables? below (?:are|is) older|\bolder tables?\b|\(before: |"
+                        r"\bmeasured again\b|\bearlier (?:sweep|runs?) the same\b|"
+                        r"\ba run a minute earlier\b", re.I)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_pages_keep_no_superseded_measurements(page):
+    stale = [f"{page.name}:{number}: {line.strip()}"
+             for number, line in enumerate(page.read_text().splitlines(), 1)
+             if SUPERSEDED.search(line)]
+    assert not stale, "superseded measurements kept (git history has them):\n" + "\n".join(stale)
