@@ -304,7 +304,8 @@ class CallEntry(_Known):
         if self.fused:
             # with a timeout (checked by the caller) the small regime's timed closure
             self.direct, self.args, self.timed = plan.direct, (), plan._timed
-        elif isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average:
+        elif isinstance(plan, NativePlan) and len(plan.pieces) == 1 and not call.reducer.average \
+                and not plan.traced:
             datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
             send, recv = plan.pieces[0]
             self.direct = plan.comm.Allreduce
@@ -493,7 +494,8 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
     schedule of at most :data:`STAGE_BYTES` (staged)."""
     comm, sendbuf, recvbuf, op, topology = objects
     native = isinstance(plan, NativePlan)
-    if (native and len(plan.pieces) == 1) or (not native and call.recv.nbytes <= STAGE_BYTES):
+    if (native and len(plan.pieces) == 1 and not plan.traced) \
+            or (not native and call.recv.nbytes <= STAGE_BYTES):
         state.calls.put_shape(
             shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
             Shape(call, state, (comm, op, topology), schedule=not native, fused=fused(plan)))

@@ -50,7 +50,9 @@ MAX_MESSAGE = 1 << 30
 
 
 #: while tracing, the recorder (:mod:`.tracing`) whose ``program(plan, steps)`` a new Plan
-#: runs instead of its plain flat program (and every Plan is then persistent); None: untraced.
+#: runs instead of its plain flat program (and every Plan is then persistent), and whose
+#: ``marks(plan, transport, regime)`` a plan without a schedule (native, shm) binds its traced
+#: run with; None: untraced.
 TRACER = None
 
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
@@ -94,6 +96,9 @@ class _PlanBase:
     """
 
     algorithm: str
+    #: bound while tracing (its runs record themselves: the call cache must run them, not a
+    #: bare MPI call of its own)
+    traced = False
 
     def __init__(self, comm: MPI.Intracomm, sendbuf, recvbuf: np.ndarray,
                  reducer: Reducer | None, *, timeout: float | None, state=None, owned_comm=None):
@@ -591,6 +596,8 @@ class NativePlan(_PlanBase):
         self._work = None  # what a start without deadline waits for (set by .nonblocking)
         if len(self.pieces) == 1 and not self._average:  # the run without deadline: one call
             self._fast = (partial(comm.Allreduce, *self.pieces[0], self._op),)
+        if TRACER is not None:  # tracing (.tracing): each run one span, bound now
+            self.run = TRACER.marks(self, "native", "one call").around(self.run)
 
     def persistent_requests(self) -> list:
         """MPI's own persistent ``Allreduce_init`` requests, one per piece, made on the first

@@ -51,8 +51,9 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
+from . import executor
 from .errors import CollectiveTimeout
-from .executor import ABANDONED, _PlanBase, flat, poll, wait_or_fail
+from .executor import ABANDONED, _PlanBase, _untraced, flat, poll, wait_or_fail
 from .ops import DTYPES, exact_sum
 from .partition import block
 
@@ -534,6 +535,9 @@ class ShmPlan(_PlanBase):
     #: its node holds every rank of the communicator, so the signatures its runs compare
     #: (the agreement's fields folded in) check the whole call (``_plans.fused``)
     whole = True
+    #: ``phase(kind, index, calls)``: the calls of one phase as the plan binds them (as they
+    #: are; bound while tracing, the tracer's :class:`~.tracing.Marks`: see :meth:`_trace`)
+    _phase = staticmethod(_untraced)
 
     def __init__(self, node: Node | None, call, *, plan_id: int, timeout, state,
                  agreement=None, disagree=None, exact: bool = False):
@@ -558,11 +562,13 @@ class ShmPlan(_PlanBase):
                 if memory.freed:
                     raise ValueError("a buffer of this call is a shared array that has been freed")
                 memory.users.add(self)
-        if call.send is not None and count:
-            self._local = (partial(np.copyto, result, source),)
-        if node is None or count == 0:
-            if self._average and count:
-                self._local += (partial(np.divide, result, self._nranks, result),)
+        if node is None or count == 0:  # one rank (or nothing): a local copy (and AVG's divide)
+            phase = self._trace("local")
+            copy = (partial(np.copyto, result, source),) if call.send is not None and count else ()
+            divide = ((partial(np.divide, result, self._nranks, result),)
+                      if self._average and count else ())
+            self._local = (*phase("run", None, ()), *phase("copy out", None, copy),
+                           *phase("reduce", None, divide), *phase("end", None, ()))
             return
         p, rank = node.size, node.rank
         send_block = _placement(call.send, node) if call.send is not None else None
@@ -596,20 +602,39 @@ class ShmPlan(_PlanBase):
             self._scratch = np.empty(hi - lo, dtype=dtype)
         input_block, input_at = ((recv_block, recv_at) if call.send is None
                                  else (send_block, send_at))
-        if small:
+        if small:  # (traced: its load and reduce calls hold the run's clock readings)
+            self._trace("small")
             self._run = self._run_small
             self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
             self.direct, self._timed = self._bind_direct()
-        elif recv_block is None:
+            return
+        if recv_block is None:
             # a private result: through the slots, a chunk at a time
+            self._trace("chunked", "chunk")
             self._run = self._run_chunks
             self._programs = tuple(self._bind_chunks(parity, source, input_block, input_at)
                                    for parity in (0, 1))
         else:
+            self._trace("shared")
             self._run = self._run_large
             self._programs = tuple(
                 self._bind_large(parity, source, input_block, input_at, recv_block, recv_at)
                 for parity in (0, 1))
+        if self.traced:  # the run's ends and its waits are methods: stamped around them
+            marks = self._phase
+            chunked = recv_block is None
+            self._run = marks.around(self._run)
+            self._arrive = marks.before("wait", self._arrive, 0 if chunked else None)
+            if chunked:
+                self._chunk_wait = marks.before("wait", self._chunk_wait, argument=4)
+
+    def _trace(self, regime: str, unit: str | None = None):
+        """Bind this plan's phases traced where a trace is on (:data:`.executor.TRACER`, see
+        :mod:`.tracing`), so that an untraced plan's runs never look; return the phase hook."""
+        tracer = executor.TRACER
+        if tracer is not None:
+            self._phase = tracer.marks(self, "shm", regime, unit)
+        return self._phase
 
     @property
     def nbytes(self) -> int:
@@ -644,17 +669,23 @@ class ShmPlan(_PlanBase):
         return calls
 
     def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
-        """(load, sign, reduce) of the small regime for one parity: single calls."""
+        """(load, reduce) of the small regime for one parity: single calls. Bound while
+        tracing, they hold every clock reading of the run too (the closures of
+        :meth:`_bind_direct`, which the call cache runs, have no other place for them)."""
         slots = self._slots(parity)
         rank = self._node.rank
         own = memoryview(slots[rank]).cast("B")
-        load = partial(own.__setitem__, slice(None), memoryview(source).cast("B"))
-        reduce = self._scalar(slots) or self._reduce_into(self._result, slots)
-        if isinstance(reduce, list):
-            if self._average:
-                reduce.append(partial(np.divide, self._result, self._nranks, self._result))
-            reduce = partial(_call_each, tuple(reduce)) if len(reduce) > 1 else reduce[0]
-        return load, reduce
+        phase = self._phase
+        load = [*phase("run", None, ()),
+                *phase("arrive", None, [partial(own.__setitem__, slice(None),
+                                                memoryview(source).cast("B"))]),
+                *phase("wait", None, ())]
+        scalar = self._scalar(slots)
+        reduce = [scalar] if scalar else self._reduce_into(self._result, slots)
+        if self._average and not scalar:
+            reduce.append(partial(np.divide, self._result, self._nranks, self._result))
+        reduce = [*phase("reduce", None, reduce), *phase("end", None, ())]
+        return _single(load), _single(reduce)
 
     def _scalar(self, slots: list[np.ndarray]):
         """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
@@ -729,7 +760,8 @@ class ShmPlan(_PlanBase):
                 operands[rank] = source[start + lo:start + hi]
             else:
                 operands = [array[start + lo:start + hi] for array in peer_inputs]
-            reduce = []
+            load = tuple(self._phase("arrive", c, load))
+            reduce, copy = [], []
             if hi > lo:
                 # into our buffer first (never an operand, so rank order holds in place too),
                 # then into the result
@@ -737,14 +769,16 @@ class ShmPlan(_PlanBase):
                 reduce += self._reduce_into(mine, operands)
                 if self._average:
                     reduce.append(partial(np.divide, mine, self._nranks, mine))
-                reduce.append(partial(np.copyto, result[start + lo:start + hi], mine))
+                copy.append(partial(np.copyto, result[start + lo:start + hi], mine))
             pull = []
             for q in range(p):
                 first, last = block(size, p, q)
                 if q != rank and last > first:
                     pull.append(partial(np.copyto, result[start + first:start + last],
                                         slots[q][first:last]))
-            chunks.append((load, tuple(reduce), tuple(pull)))
+            phase = self._phase
+            chunks.append((load, (*phase("reduce", c, reduce), *phase("copy out", c, copy)),
+                           tuple(phase("copy out", c, pull))))
         return tuple(chunks)
 
     def _bind_large(self, parity: int, source: np.ndarray, input_block, input_at, recv_block,
@@ -784,9 +818,10 @@ class ShmPlan(_PlanBase):
             reduce += self._reduce_into(target, mine)
         if self._average:
             reduce.append(partial(np.divide, target, self._nranks, target))
-        reduce += [partial(np.copyto, outputs[q][lo:hi], target)
-                   for q in range(p) if q != rank]
-        return tuple(load), tuple(reduce)
+        copy = [partial(np.copyto, outputs[q][lo:hi], target) for q in range(p) if q != rank]
+        phase = self._phase
+        return (tuple(phase("arrive", None, load)),
+                (*phase("reduce", None, reduce), *phase("copy out", None, copy)))
 
     # -- running --------------------------------------------------------------------------------
 
@@ -1053,6 +1088,11 @@ class ShmPlan(_PlanBase):
 def _call_each(calls: tuple) -> None:
     for call in calls:
         call()
+
+
+def _single(calls: list):
+    """One argument-free call that makes ``calls``: the call itself where there is one."""
+    return calls[0] if len(calls) == 1 else partial(_call_each, tuple(calls))
 
 
 def _describe(name: str, value: int) -> str:

@@ -42,6 +42,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
+from . import executor
 from .errors import CollectiveTimeout
 from .executor import Plan, _PlanBase, flat, wait_or_fail
 from .ops import DTYPES
@@ -161,9 +162,19 @@ class NodesPlan(ShmPlan):
         self._owners = (owners, tuple(node.headers[q] for q in owners))
         self._leader = ((0,), (node.headers[0],))
         source = flat(call.send) if call.send is not None else result
+        tracer = executor.TRACER
+        if tracer is not None:  # tracing (.tracing): this plan's phases bound traced, now
+            self._phase = tracer.marks(self, "shm", "nodes")
         self._programs = tuple(self._bind_nodes(parity, source, phase) for parity in (0, 1))
         self._run = self._run_leader if phase.leader and node.rank == 0 else (
             self._run_follower if phase.leader else self._run_cascade)
+        if tracer is not None:  # the run's ends, its waits and its cross phase are methods
+            marks = self._phase
+            self._run = marks.around(self._run)
+            self._wait_for = marks.before("wait", self._wait_for)
+            if self._cross is not None:  # (its own run, traced as a schedule, nests in it)
+                self._across = marks.before("across", self._across)
+                tracer.rename(self._cross, f"{name} across nodes")
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +232,10 @@ class NodesPlan(ShmPlan):
             if self._average and (not phase.leader or rank == 0):
                 publish.append(partial(np.divide, result[lo:hi], self._nranks, result[lo:hi]))
             publish.append(_copy(slots[rank][lo:hi], result[lo:hi]))
-        return tuple(load), tuple(reduce), tuple(gather), tuple(publish), tuple(pull)
+        mark = self._phase
+        return (tuple(mark("arrive", None, load)), tuple(mark("reduce", None, reduce)),
+                tuple(mark("gather", None, gather)), tuple(mark("publish", None, publish)),
+                tuple(mark("copy out", None, pull)))
 
     def _reduce_into(self, out: np.ndarray, operands: list[np.ndarray]) -> list:
         if len(operands) == 1:  # a node of one rank

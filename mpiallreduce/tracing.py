@@ -4,15 +4,18 @@
     with mar.trace("trace.json"):          # collective over COMM_WORLD (or comm=)
         ...
 
-While tracing, every schedule plan built (``mar.plan``, one-shot calls, ``iallreduce``, the
-related collectives) binds a *traced* flat program instead of its plain one (see
-:meth:`.executor.Plan._flatten`): the same calls, with a clock reading before each phase. A plan
-built while tracing is off never looks at the trace, so an untraced run costs what it did.
-Stepwise runs (with a timeout, or non-blocking: :meth:`.executor.Plan.steps`) record the same
-phases through the same hook; native calls are not traced (MPI's ``Allreduce`` is one call: its
-time is the run).
+While tracing, every plan built (``mar.plan``, one-shot calls and the call cache's bound runs,
+``iallreduce``, ``mar.Comm``, the related collectives) binds a *traced* run instead of its plain
+one: the same calls, with a clock reading before each phase. A plan built while tracing is off
+never looks at the trace, so an untraced run costs what it did; one built before a trace starts
+stays untraced through it (``mar.plan`` objects; cached one-shot calls are dropped when a trace
+starts and ends, so they bind again). Schedules bind a traced flat program (see
+:meth:`.executor.Plan._flatten`); their stepwise runs (with a timeout, or non-blocking:
+:meth:`.executor.Plan.steps`) record the same phases through the same hook. Plans without a
+schedule (shm, node phases, native) take a :class:`Marks` from :meth:`Recorder.marks` and
+bind their own phases with it.
 
-Each rank records its plan runs and, within them, every step and its phases:
+Each rank records its schedule runs and, within them, every step and its phases:
 
 - ``load`` / ``finish``: copies before the first step and after the last (and AVG's divide);
 - ``copy``: copies into the result before a step's messages are posted, or out of scratch;
@@ -22,8 +25,18 @@ Each rank records its plan runs and, within them, every step and its phases:
   executor defers until the next step's messages are posted lies inside that next step and
   names its own step in ``args.step``.
 
+An shm run (``shm allreduce``) holds ``arrive`` (this rank's input into its slot), ``wait``
+(until every peer has published the same step), ``reduce`` and ``copy out`` (its part of the
+result into the others' reach, or theirs into its result); in the large regime on a private
+result each chunk is a span (``chunk c``, its index in ``args.chunk``) holding its own phases.
+A node-phased run (hierarchical, cascade with shared memory inside nodes) holds ``arrive``,
+``wait``, ``reduce``, ``gather`` (the leader: the node's blocks), ``across`` (holding the
+cross-node plan's own run, ``<algorithm> across nodes``), ``publish`` and ``copy out``. A native
+call is one span (``native allreduce``) with nothing inside.
+
 A rank keeps its latest :data:`MAX_EVENTS` clock readings (``MPIALLREDUCE_TRACE_EVENTS``),
-about 100 B each; runs whose start was dropped are left out of the file.
+about 100 B each; runs whose start was dropped, or that raised before their end, are left out
+of the file. A trace that ends with no run recorded on any rank warns on rank 0, saying why.
 
 Clocks (``time.perf_counter_ns``) are aligned across ranks by a ping-pong with rank 0 when
 tracing starts (``trace()``) or, with the environment variable, when the trace is written at
@@ -39,6 +52,7 @@ import contextlib
 import json
 import os
 import time
+import warnings
 from collections import deque
 from functools import partial
 
@@ -95,7 +109,23 @@ class Recorder:
         index = len(self.plans)
         self.plans.append(_describe(plan, steps))
         plan._phase = partial(self._phase, index)  # its stepwise runs too (non-blocking, timeouts)
+        plan.traced = True
         return plan._flatten(plan._phase)
+
+    def marks(self, plan, transport: str, regime: str, unit: str | None = None) -> Marks:
+        """Register ``plan``, a plan without a schedule being bound (``transport``: ``"shm"``
+        or ``"native"``; ``regime``: how it runs; ``unit``: what its numbered spans are,
+        ``"chunk"``), and return its :class:`Marks`."""
+        index = len(self.plans)
+        self.plans.append(_describe(plan, (), transport=transport, regime=regime, unit=unit))
+        plan.traced = True
+        return Marks(self, index)
+
+    def rename(self, plan, name: str) -> None:
+        """Name the runs of ``plan`` (a schedule bound while tracing) ``name`` in the file."""
+        phase = plan._phase
+        if isinstance(phase, partial) and phase.func == self._phase:
+            self.plans[phase.args[0]]["name"] = name
 
     def _phase(self, plan: int, kind: str, step, group) -> list:
         """``group`` of calls preceded by the stamps of its phase (see ``Plan._flatten``)."""
@@ -151,11 +181,82 @@ class Recorder:
             with open(self.path, "w", encoding="utf-8") as handle:
                 json.dump(document, handle)
             self.written = self.path
+            if not any(e[1][1] == "run" for rank_events, _ in gathered for e in rank_events):
+                warnings.warn(_empty(self.path, sum(len(plans) for _, plans in gathered)),
+                              RuntimeWarning, stacklevel=2)
         self.comm.Barrier()
 
 
-def _describe(plan, steps) -> dict:
-    """What a trace says about a plan: its algorithm and size, and each step's messages."""
+def _empty(path: str, bound: int) -> str:
+    """Why a trace holds no run (the warning rank 0 gives once when it writes it)."""
+    why = (f"{bound} plan(s) were bound while tracing and none ran" if bound else
+           "no plan or call was bound while tracing")
+    return (f"mpiallreduce trace {path}: no runs recorded on any rank ({why}): no allreduce ran "
+            f"between the trace's start and its end, or only plans bound before the trace "
+            f"started ran, which are not traced (build them inside the trace); the file holds "
+            f"the ranks' empty tracks")
+
+
+class Marks:
+    """The clock readings of one traced plan without a schedule (shm, node phases, native),
+    bound with the plan (:meth:`Recorder.marks`).
+
+    Called as the plan's phase hook, ``marks(kind, index, group)`` returns the calls of
+    ``group`` preceded by the stamp that opens phase ``kind`` (of chunk ``index``, or None);
+    a group without calls stays empty unless its stamp marks something itself (``run``,
+    ``end``, ``wait``, ``across``, and ``arrive``, which opens a chunk's span).
+    :meth:`around` and :meth:`before` stamp around a whole run and before a wait, for the
+    parts of a run that are methods rather than bound calls.
+    """
+
+    __slots__ = ("recorder", "plan")
+    #: phases stamped even without calls of their own
+    ALWAYS = ("run", "end", "wait", "across", "arrive")
+
+    def __init__(self, recorder: Recorder, plan: int):
+        self.recorder = recorder
+        self.plan = plan
+
+    def __call__(self, kind: str, index, group) -> list:
+        group = list(group)
+        if not group and kind not in self.ALWAYS:
+            return group
+        opens = kind == "arrive" and index is not None
+        return [partial(self.recorder.stamp, (self.plan, kind, index, opens)), *group]
+
+    def around(self, run):
+        """``run(*args)`` between the stamps of the run's start and end (none if it raises:
+        the file leaves such a run out)."""
+        start, end = self("run", None, ())[0], self("end", None, ())[0]
+
+        def traced(*args, **kwargs):
+            start()
+            result = run(*args, **kwargs)
+            end()
+            return result
+        return traced
+
+    def before(self, kind: str, call, index=None, argument: int | None = None):
+        """``call(*args)`` after the stamp of phase ``kind``: of ``index``, or of the chunk
+        its positional argument ``argument`` names."""
+        if argument is None:
+            stamp = self(kind, index, ())[0]
+
+            def traced(*args, **kwargs):
+                stamp()
+                return call(*args, **kwargs)
+            return traced
+        recorder, plan = self.recorder, self.plan
+
+        def traced_at(*args, **kwargs):
+            recorder.stamp((plan, kind, args[argument], False))
+            return call(*args, **kwargs)
+        return traced_at
+
+
+def _describe(plan, steps, **about) -> dict:
+    """What a trace says about a plan: its algorithm and size, and each step's messages;
+    ``about``: what else its runs say (a plan without a schedule: transport, regime, unit)."""
     result = plan._result
     itemsize = result.dtype.itemsize
     described = {}
@@ -165,10 +266,11 @@ def _describe(plan, steps) -> dict:
         described[index] = {
             "sends": [[send.peer, send.size * itemsize] for send in step.sends],
             "recvs": [[recv.peer, recv.size * itemsize, recv.action] for recv in step.recvs]}
-    return {"name": plan._label, "algorithm": plan.algorithm, "count": int(result.size),
+    return {"name": getattr(plan, "_label", f"{plan.algorithm} allreduce"),
+            "algorithm": plan.algorithm, "count": int(result.size),
             "dtype": result.dtype.name, "bytes": int(result.nbytes),
             "op": plan.reducer.name if plan.reducer is not None else None,
-            "ranks": plan._nranks, "steps": described}
+            "ranks": plan._nranks, "steps": described, **about}
 
 
 def _offsets(comm: MPI.Intracomm) -> list[int] | None:
@@ -214,57 +316,96 @@ def _event(name, start, stop, rank, args=None) -> dict:
     return event
 
 
+class _Open:
+    """A run being turned into events: its span, its open step (or chunk) and phase, and the
+    events closed so far (kept until the run ends: a run that never ends is left out)."""
+
+    __slots__ = ("plan", "run", "step", "phase", "events")
+
+    def __init__(self, plan: int, run: tuple):
+        self.plan = plan
+        self.run = run  # (start, name, args)
+        self.step = None  # (start, name, args, index)
+        self.phase = None  # (start, kind, args)
+        self.events: list[dict] = []
+
+    def close(self, item, at: int, rank: int) -> None:
+        if item is not None:
+            self.events.append(_event(item[1], item[0], at, rank, item[2]))
+
+
+def _run_args(described: dict, plan: int, number: int) -> dict:
+    args = {"algorithm": described["algorithm"], "plan": plan, "run": number,
+            "count": described["count"], "dtype": described["dtype"],
+            "bytes": described["bytes"], "op": described["op"], "ranks": described["ranks"]}
+    if "transport" in described:
+        args.update(transport=described["transport"], regime=described["regime"])
+    return args
+
+
+def _step_span(described: dict, index: int, at: int) -> tuple:
+    """The span a step (a schedule's) or a chunk (shm's large regime) opens at ``at``."""
+    unit = described.get("unit")
+    if unit is not None:
+        return (at, f"{unit} {index}", {unit: index}, index)
+    messages = described["steps"][index]
+    return (at, f"step {index}", {
+        "step": index, "sends": messages["sends"], "recvs": messages["recvs"],
+        "bytes_sent": sum(b for _, b in messages["sends"]),
+        "bytes_received": sum(b for _, b, _ in messages["recvs"])}, index)
+
+
+def _phase_args(described: dict, kind: str, index) -> dict | None:
+    if index is None:
+        return None
+    unit = described.get("unit")
+    if "transport" in described:
+        return {unit: index} if unit is not None else None
+    messages = described["steps"][index]
+    if kind in ("start", "wait"):
+        return {"step": index,
+                "peers": sorted({m[0] for m in messages["sends"] + messages["recvs"]}),
+                "bytes": sum(m[1] for m in messages["sends"] + messages["recvs"])}
+    if kind in ("combine", COPY):
+        return {"step": index,
+                "bytes": sum(b for _, b, action in messages["recvs"]
+                             if (action == COPY) == (kind == COPY))}
+    return None
+
+
 def _track(rank: int, events: list, plans: list[dict], shift: int) -> list[dict]:
-    """Turn one rank's clock readings into nested complete events: runs, steps, phases."""
+    """Turn one rank's clock readings into nested complete events: runs, steps or chunks,
+    phases. Each plan's readings make its own runs, so runs of several plans may interleave
+    (requests in flight together) or nest (a node-phased run's cross-node plan runs inside its
+    ``across`` phase: the times nest, and so do the events)."""
     out: list[dict] = []
-    run = step = phase = None  # (start, name, args) of what is open
+    running: dict[int, _Open] = {}  # each plan's run not yet ended
     runs: dict[int, int] = {}
 
-    def close(item, at):
-        if item is not None:
-            out.append(_event(item[1], item[0], at, rank, item[2]))
-
-    for item in events:
-        stamp, (plan, kind, index, opens) = item
-        if run is None and kind != "run":
-            continue  # the oldest readings were dropped (MPIALLREDUCE_TRACE_EVENTS): a partial run
+    for stamp, (plan, kind, index, opens) in events:
         at = stamp - shift
         described = plans[plan]
-        if kind == "run":
+        if kind == "run":  # (a run of this plan still open raised before its end: left out)
             runs[plan] = runs.get(plan, 0) + 1
-            run = (at, described["name"], {
-                "algorithm": described["algorithm"], "plan": plan, "run": runs[plan],
-                "count": described["count"], "dtype": described["dtype"],
-                "bytes": described["bytes"], "op": described["op"], "ranks": described["ranks"]})
+            running[plan] = _Open(plan, (at, described["name"],
+                                         _run_args(described, plan, runs[plan])))
             continue
-        close(phase, at)
-        phase = None
+        current = running.get(plan)
+        if current is None:
+            continue  # the oldest readings were dropped (MPIALLREDUCE_TRACE_EVENTS): a partial run
+        current.close(current.phase, at, rank)
+        current.phase = None
         if kind == "end":
-            close(step, at)
-            close(run, at)
-            run = step = None
+            current.close(current.step, at, rank)
+            current.close(current.run, at, rank)
+            out += current.events
+            del running[plan]
             continue
-        if kind == "finish" or (opens and (step is None or step[2]["step"] != index)):
-            close(step, at)
-            step = None
-            if opens:
-                messages = described["steps"][index]
-                step = (at, f"step {index}", {
-                    "step": index, "sends": messages["sends"], "recvs": messages["recvs"],
-                    "bytes_sent": sum(b for _, b in messages["sends"]),
-                    "bytes_received": sum(b for _, b, _ in messages["recvs"])})
-        args = None
-        if index is not None:
-            messages = described["steps"][index]
-            if kind in ("start", "wait"):
-                args = {"step": index,
-                        "peers": sorted({m[0] for m in messages["sends"] + messages["recvs"]}),
-                        "bytes": sum(m[1] for m in messages["sends"] + messages["recvs"])}
-            elif kind in ("combine", COPY):
-                args = {"step": index,
-                        "bytes": sum(b for _, b, action in messages["recvs"]
-                                     if (action == COPY) == (kind == COPY))}
-        phase = (at, kind, args)
+        # a phase of no step (finish) ends the open step; a step's first phase opens it
+        if index is None or (opens and (current.step is None or current.step[3] != index)):
+            current.close(current.step, at, rank)
+            current.step = _step_span(described, index, at) if opens else None
+        current.phase = (at, kind, _phase_args(described, kind, index))
     return out
 
 

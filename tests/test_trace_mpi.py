@@ -1,6 +1,9 @@
 """Timeline traces (mar.trace, MPIALLREDUCE_TRACE): valid Chrome Trace JSON, one track per rank,
 one run event per run with one step event per step of the rank's program, phases nested inside;
-untraced plans unchanged. Results against comm.Allreduce while tracing."""
+shm runs (their phases, a span per chunk of the large regime), node-phased runs (the cross-node
+plan's run nested in their ``across`` phase) and native calls (one span each) too, whatever the
+entry point (one-shot calls, plans, timed calls, mar.Comm); a trace with no runs warns once on
+rank 0, saying why; untraced plans unchanged. Results against comm.Allreduce while tracing."""
 
 from __future__ import annotations
 
@@ -9,19 +12,29 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 from functools import partial
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, assert_matches_native, contribution, launcher_environment, needs_mpirun
+from conftest import (
+    MPIRUN,
+    assert_matches_native,
+    assert_on_every_rank,
+    contribution,
+    launcher_environment,
+    needs_mpirun,
+)
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import algorithms, executor, tracing
+from mpiallreduce import algorithms, executor, shm, tracing
 
 SCHEDULES = list(algorithms.REGISTRY)  # shm and native have no steps to trace
 REQUIRED = ("name", "ph", "ts", "dur", "pid", "tid")
-PHASES = ("load", "copy", "start", "wait", "combine", "finish")
+#: phases of a schedule's step, then those of shm and node-phased runs
+PHASES = ("load", "copy", "start", "wait", "combine", "finish",
+          "arrive", "reduce", "copy out", "gather", "across", "publish")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -48,7 +61,7 @@ def validate(document: dict, nranks: int) -> tuple[list[str], dict]:
     for rank in range(nranks):
         mine = sorted((e for e in complete if e["tid"] == rank), key=lambda e: (e["ts"], -e["dur"]))
         runs = [e for e in mine if e["cat"] == "mpiallreduce" and "algorithm" in e.get("args", {})]
-        steps = [e for e in mine if e["name"].startswith("step ")]
+        steps = [e for e in mine if e["name"].startswith(("step ", "chunk "))]
         phases = [e for e in mine if e["name"] in PHASES]
         if len(runs) + len(steps) + len(phases) != len(mine):
             problems.append(f"rank {rank}: events of unknown kinds")
@@ -65,9 +78,33 @@ def validate(document: dict, nranks: int) -> tuple[list[str], dict]:
                 problems.append(f"rank {rank}: {event['name']} at {event['ts']} outside every run")
         for step in steps:
             kinds = [f["name"] for f in phases if inside(f, step)]
-            if "start" not in kinds or "wait" not in kinds:
-                problems.append(f"rank {rank}: {step['name']} without start and wait ({kinds})")
+            needed = ("start", "wait") if step["name"].startswith("step ") else ("arrive", "wait")
+            if any(kind not in kinds for kind in needed):
+                problems.append(f"rank {rank}: {step['name']} without {' and '.join(needed)} "
+                                f"({kinds})")
     return problems, tracks
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    return (inner is not outer and outer["ts"] <= inner["ts"]
+            and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-6)
+
+
+def outer_runs(track: list) -> list:
+    """The runs of a track (``validate``'s) that no other run holds (a node-phased run holds
+    its cross-node plan's run)."""
+    return [(run, steps) for run, steps in track
+            if not any(_inside(run, other) for other, _ in track)]
+
+
+def phases_of(document: dict, rank: int, span: dict) -> list[str]:
+    """The names of the phases inside ``span`` on ``rank``'s track, in time order, not those of a
+    run nested in it."""
+    mine = [e for e in document["traceEvents"] if e.get("ph") == "X" and e["tid"] == rank]
+    nested = [e for e in mine if "algorithm" in e.get("args", {}) and _inside(e, span)]
+    return [e["name"] for e in sorted(mine, key=lambda e: e["ts"])
+            if e["name"] in PHASES and _inside(e, span)
+            and not any(_inside(e, run) for run in nested)]
 
 
 def _trace_path(comm, tmp_path) -> str:
@@ -193,6 +230,7 @@ def _is_stamp(call) -> bool:
 
 
 @pytest.mark.mpi
+@pytest.mark.filterwarnings("ignore:mpiallreduce trace")  # (no run recorded: rank 0 says so)
 @pytest.mark.parametrize("algorithm", ["ring_segmented", "knomial", "cascade"])
 def test_the_traced_program_is_the_plain_one_plus_clock_readings(algorithm, tmp_path):
     comm = MPI.COMM_WORLD
@@ -257,6 +295,7 @@ def test_a_rank_keeps_its_latest_readings_and_whole_runs_only(tmp_path, monkeypa
 
 
 @pytest.mark.mpi
+@pytest.mark.filterwarnings("ignore:mpiallreduce trace")  # (no run recorded: rank 0 says so)
 def test_one_trace_at_a_time_on_every_rank(tmp_path):
     comm = MPI.COMM_WORLD
     path = _trace_path(comm, tmp_path)
@@ -294,3 +333,352 @@ def test_the_environment_variable_traces_a_whole_run(ranks, tmp_path):
         assert [run["name"] for run, _ in runs] == ["ring allreduce"] * 4
         assert all(len(steps) == 2 * (ranks - 1) for _, steps in runs)
     assert not os.path.exists(str(path) + ".tmp")
+
+
+# -- shm, node-phased and native runs ------------------------------------------------------------
+
+#: phases of an shm run of the small regime, in order (two ranks or more)
+SMALL_PHASES = ["arrive", "wait", "reduce"]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1 KiB (at most 256 per call) instead of 512 KiB, set alike on every rank before
+    any plan binds: a large-regime message of a few hundred KiB crosses many chunks."""
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(shm, "MAX_CHUNKS", 256)
+
+
+def _traced(comm, tmp_path, calls):
+    """Run ``calls()`` inside a trace (no warning may come: runs are recorded); return the
+    document on rank 0 (None elsewhere)."""
+    path = _trace_path(comm, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mar.trace(path, comm=comm):
+            calls()
+    trace_warnings = [str(w.message) for w in caught if "trace" in str(w.message)]
+    assert_on_every_rank(comm, f"rank {comm.rank}: {trace_warnings}" if trace_warnings else None)
+    if comm.rank != 0:
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _check_on_rank_0(comm, document, check) -> None:
+    problems = None
+    if comm.rank == 0:
+        problems, tracks = validate(document, comm.size)
+        problems += check(tracks)
+    problems = comm.bcast(problems, root=0)
+    assert problems == [], "\n".join(problems[:10])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["auto", "shm"])
+def test_one_node_calls_plans_and_timed_calls_are_traced(algorithm, tmp_path):
+    """``auto`` runs ``shm`` on one node at these sizes (where it picks a schedule, that one is
+    expected): one-shot calls (the bound closure of the call cache), a timed call, a plan."""
+    comm = MPI.COMM_WORLD
+    p = comm.size
+    counts = (1, 3, 1000)  # one float64 (added as Python floats), small vectors
+    runs = 3
+    names = []
+    for count in counts:
+        x = contribution(comm, count, "float64", seed=count)
+        with mar.plan(x, np.empty_like(x), comm=comm, algorithm=algorithm) as probe:
+            names += [probe.algorithm] * (runs + 3)
+
+    def calls():
+        for count in counts:
+            x = contribution(comm, count, "float64", seed=count)
+            out = np.empty_like(x)
+            for _ in range(runs):
+                mar.allreduce(x, out, comm=comm, algorithm=algorithm)
+                assert_matches_native(comm, x, out, MPI.SUM)
+            timed = mar.allreduce(x, comm=comm, algorithm=algorithm, timeout=30)
+            assert_matches_native(comm, x, timed, MPI.SUM)
+            with mar.plan(x, out, comm=comm, algorithm=algorithm) as plan:
+                for _ in range(2):
+                    plan.run()
+                    assert_matches_native(comm, x, out, MPI.SUM)
+
+    document = _traced(comm, tmp_path, calls)
+    if algorithm == "shm":
+        assert set(names) == {"shm"}
+
+    def check(tracks):
+        problems = []
+        for rank in range(p):
+            found = outer_runs(tracks[rank])
+            got = [run["args"]["algorithm"] for run, _ in found]
+            if got != names:
+                problems.append(f"rank {rank}: runs of {got}, expected {names}")
+                continue
+            for run, _ in found:
+                if run["args"]["algorithm"] == "shm" and p > 1 \
+                        and phases_of(document, rank, run) != SMALL_PHASES:
+                    problems.append(f"rank {rank}: shm run of {run['args']['count']} has "
+                                    f"phases {phases_of(document, rank, run)}, expected "
+                                    f"{SMALL_PHASES}")
+        return problems
+
+    _check_on_rank_0(comm, document, check)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("placement", ["out_of_place", "in_place", "shared"])
+def test_the_large_regime_traces_every_chunk(small_chunks, placement, tmp_path):
+    """Private results move a chunk at a time: one span per chunk (its index in ``args``) with
+    its phases; a shared result is reduced in place (arrive, wait, reduce, copy out, wait)."""
+    comm = MPI.COMM_WORLD
+    p = comm.size
+    shared = placement == "shared"
+    count = shm.small_bytes(p, shared) // 8 + 1000
+    per = shm.chunk_bytes(8 * count) // 8
+    chunks = -(-count // per)
+    runs = 2
+    x = contribution(comm, count, "float64")
+    buf = mar.shared_empty(count, comm=comm) if shared else np.empty(count)
+
+    def calls():
+        for _ in range(runs):
+            buf[...] = x
+            if placement == "out_of_place":
+                out = mar.allreduce(x, buf, comm=comm, algorithm="shm")
+            else:
+                out = mar.allreduce(MPI.IN_PLACE, buf, comm=comm, algorithm="shm")
+            assert_matches_native(comm, x, out, MPI.SUM)
+
+    try:
+        document = _traced(comm, tmp_path, calls)
+    finally:
+        if shared:
+            buf.free()  # (the trace's end dropped the cached call that held it)
+
+    def check(tracks):
+        problems = []
+        for rank in range(p):
+            found = outer_runs(tracks[rank])
+            if [run["name"] for run, _ in found] != ["shm allreduce"] * runs:
+                problems.append(f"rank {rank}: runs {[run['name'] for run, _ in found]}")
+                continue
+            if p == 1:
+                continue
+            for run, steps in found:
+                kinds = phases_of(document, rank, run)
+                if shared:
+                    if steps or kinds[:3] != ["arrive", "wait", "reduce"] or kinds[-1] != "wait":
+                        problems.append(f"rank {rank}: shared-result run with phases {kinds}")
+                    continue
+                indices = [step["args"].get("chunk") for step, _ in steps]
+                if indices != list(range(chunks)) or any(
+                        step["name"] != f"chunk {c}" for c, (step, _) in enumerate(steps)):
+                    problems.append(f"rank {rank}: chunk spans {indices[:5]}..., expected "
+                                    f"0..{chunks - 1}")
+                for step, phases in steps:
+                    names = [f["name"] for f in phases]
+                    if names[:1] != ["arrive"] or "reduce" not in names or "copy out" not in names:
+                        problems.append(f"rank {rank}: {step['name']} has phases {names}")
+                        break
+                    if any(f["args"].get("chunk") != step["args"]["chunk"] for f in phases):
+                        problems.append(f"rank {rank}: {step['name']} holds another chunk's phase")
+                        break
+        return problems
+
+    _check_on_rank_0(comm, document, check)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["hierarchical", "cascade"])
+def test_node_phased_runs_are_traced_with_their_cross_node_plan_inside(algorithm, tmp_path):
+    """Simulated nodes of 2 with shared memory inside (intra="shm"): each run holds its
+    phases; where there are several nodes, the ranks that work across them hold the cross-node
+    plan's run in their ``across`` phase."""
+    comm = MPI.COMM_WORLD
+    p = comm.size
+    topology = mar.Topology.simulated(comm, 2)
+    counts = (1, 1000)
+    runs = 2
+
+    def calls():
+        for count in counts:
+            x = contribution(comm, count, "float64", seed=count)
+            out = np.empty_like(x)
+            for _ in range(runs):
+                mar.allreduce(x, out, comm=comm, algorithm=algorithm, topology=topology,
+                              intra="shm")
+                assert_matches_native(comm, x, out, MPI.SUM)
+            with mar.plan(x, out, comm=comm, algorithm=algorithm, topology=topology,
+                          intra="shm") as plan:
+                plan.run()
+                assert_matches_native(comm, x, out, MPI.SUM)
+
+    document = _traced(comm, tmp_path, calls)
+
+    def check(tracks):
+        problems = []
+        across = reduced = 0
+        for rank in range(p):
+            found = outer_runs(tracks[rank])
+            names = [run["name"] for run, _ in found]
+            if names != [f"{algorithm} allreduce"] * (len(counts) * (runs + 1)):
+                problems.append(f"rank {rank}: runs {names}")
+                continue
+            if p == 1:  # one rank: the schedule (no node to share)
+                continue
+            for run, _ in found:
+                kinds = phases_of(document, rank, run)
+                # (a rank past the node's owners, or of an empty block, reduces nothing)
+                if kinds[:2] != ["arrive", "wait"] or not {"copy out", "publish"} & set(kinds):
+                    problems.append(f"rank {rank}: node-phased run with phases {kinds}")
+                    break
+                reduced += "reduce" in kinds
+                nested = [other for other, _ in tracks[rank] if _inside(other, run)]
+                if "across" in kinds:
+                    across += 1
+                    if len(nested) != 1 or nested[0]["args"]["algorithm"] != algorithm:
+                        problems.append(f"rank {rank}: across holds {nested}")
+                elif nested:
+                    problems.append(f"rank {rank}: a nested run outside an across phase")
+        if topology.nnodes > 1 and not across:
+            problems.append("no rank traced a cross-node phase")
+        if p > 1 and reduced < len(counts) * (runs + 1):
+            problems.append(f"{reduced} runs reduced on some rank, expected every run")
+        return problems
+
+    _check_on_rank_0(comm, document, check)
+
+
+@pytest.mark.mpi
+def test_native_calls_are_one_span_each(tmp_path):
+    """One-shot calls (MPI's Allreduce bound in the call cache), fresh arrays, AVG, a timed
+    call and a plan's runs: one ``native allreduce`` span each, with nothing inside."""
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 7, "float64")
+    total = 0
+
+    def calls():
+        nonlocal total
+        out = np.empty_like(x)
+        for _ in range(3):
+            mar.allreduce(x, out, comm=comm, algorithm="native")
+            assert_matches_native(comm, x, out, MPI.SUM)
+        for _ in range(2):
+            assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm="native"),
+                                  MPI.SUM)
+        mean = mar.allreduce(x, op=mar.AVG, comm=comm, algorithm="native")
+        assert_matches_native(comm, x, mean, MPI.SUM, average=True)
+        timed = mar.allreduce(x, comm=comm, algorithm="native", timeout=30)
+        assert_matches_native(comm, x, timed, MPI.SUM)
+        with mar.plan(x, out, comm=comm, algorithm="native") as plan:
+            plan.run()
+            plan.run()
+        total = 3 + 2 + 1 + 1 + 2
+
+    document = _traced(comm, tmp_path, calls)
+
+    def check(tracks):
+        problems = []
+        for rank in range(comm.size):
+            found = outer_runs(tracks[rank])
+            if [run["name"] for run, _ in found] != ["native allreduce"] * total:
+                problems.append(f"rank {rank}: runs {[run['name'] for run, _ in found]}, "
+                                f"expected {total} native")
+            if any(steps or phases_of(document, rank, run) for run, steps in found):
+                problems.append(f"rank {rank}: a native span holds events")
+        return problems
+
+    _check_on_rank_0(comm, document, check)
+
+
+@pytest.mark.mpi
+def test_drop_in_allreduce_calls_are_traced(tmp_path):
+    """mar.Comm's Allreduce with its default algorithm: repeated arrays, fresh arrays per call,
+    in place: one run per call on every rank."""
+    comm = MPI.COMM_WORLD
+    drop_in = mar.Comm(comm)
+    x = contribution(comm, 1, "float64")
+    calls_made = 0
+
+    def calls():
+        nonlocal calls_made
+        out = np.empty_like(x)
+        for _ in range(20):
+            drop_in.Allreduce(x, out)
+        assert_matches_native(comm, x, out, MPI.SUM)
+        for _ in range(5):
+            fresh = np.empty_like(x)
+            drop_in.Allreduce(x.copy(), fresh)
+            assert_matches_native(comm, x, fresh, MPI.SUM)
+        buf = x.copy()
+        drop_in.Allreduce(MPI.IN_PLACE, buf)
+        assert_matches_native(comm, x, buf, MPI.SUM)
+        calls_made = 26
+
+    document = _traced(comm, tmp_path, calls)
+
+    def check(tracks):
+        problems = []
+        for rank in range(comm.size):
+            found = outer_runs(tracks[rank])
+            if len(found) != calls_made:
+                problems.append(f"rank {rank}: {len(found)} runs of {calls_made} Allreduce calls")
+        return problems
+
+    _check_on_rank_0(comm, document, check)
+
+
+@pytest.mark.mpi
+def test_a_trace_without_runs_warns_once_on_rank_0_saying_why(tmp_path):
+    comm = MPI.COMM_WORLD
+    x = contribution(comm, 5, "float64")
+    out = np.empty_like(x)
+    path = _trace_path(comm, tmp_path)
+    reasons = {}
+    with mar.plan(x, out, comm=comm, algorithm="shm") as before:
+        for case in ("nothing", "bound before"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with mar.trace(path, comm=comm):
+                    if case == "bound before":
+                        before.run()  # bound before the trace: not traced
+            reasons[case] = [str(w.message) for w in caught if "trace" in str(w.message)]
+    assert_matches_native(comm, x, out, MPI.SUM)
+    problems = []
+    for case, found in reasons.items():
+        if comm.rank != 0:
+            if found:
+                problems.append(f"rank {comm.rank} warned: {found}")
+            continue
+        if len(found) != 1:
+            problems.append(f"{case}: rank 0 warned {len(found)} times: {found}")
+        elif "no runs" not in found[0] or "bound before" not in found[0] \
+                or "no allreduce ran" not in found[0]:
+            problems.append(f"{case}: the warning does not say why: {found[0]}")
+    assert_on_every_rank(comm, "; ".join(problems) or None)
+
+
+@needs_mpirun
+def test_the_environment_variable_traces_drop_in_calls_on_one_node(tmp_path):
+    """The issue's case: MPIALLREDUCE_TRACE over mar.Comm's Allreduce with the default
+    algorithm (shm on one node of 2 ranks) records every call."""
+    path = tmp_path / "drop_in.json"
+    calls = 50
+    script = ("import numpy as np; from mpi4py import MPI; import mpiallreduce as mar; "
+              "comm = mar.Comm(MPI.COMM_WORLD); x = np.array([1.0 + comm.rank]); "
+              "out = np.empty_like(x); "
+              f"[comm.Allreduce(x, out) for _ in range({calls})]; "
+              "assert out[0] == 3.0")
+    env = {**launcher_environment(), tracing.ENV: str(path), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "mpi4py", "-c",
+                             script], capture_output=True, text=True, timeout=120, env=env,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(path.read_text())
+    problems, tracks = validate(document, 2)
+    assert problems == []
+    for rank in range(2):
+        runs = outer_runs(tracks[rank])
+        assert [run["name"] for run, _ in runs] == ["shm allreduce"] * calls
+        assert all(phases_of(document, rank, run) == SMALL_PHASES for run, _ in runs)
