@@ -295,11 +295,21 @@ def state(comm: MPI.Intracomm, timeout: float | None = None, what: str = "allred
         private = _idup(comm, deadline, what)
         checker = _idup(comm, deadline, what)
     except CollectiveTimeout as exc:
-        # remember on the user's communicator that it is unusable, with the reason
-        dead = CommState(MPI.COMM_NULL, MPI.COMM_NULL, broken=str(exc))
-        dead.stale.extend(exc.pending)
-        comm.Set_attr(KEYVAL, dead)
+        fail_on(comm, str(exc), exc.pending, raise_=False)
         raise
     found = CommState(private, checker)
     comm.Set_attr(KEYVAL, found)
     return found
+
+
+def fail_on(comm: MPI.Intracomm, reason: str, pending=(), raise_: bool = True) -> None:
+    """Mark ``comm`` unusable for mpiallreduce and raise CollectiveTimeout, with no collective:
+    where it has no state yet (a timeout in MPI's own collective, or in the set-up), the
+    user's communicator keeps a dead one that holds the reason and the pending requests."""
+    found = comm.Get_attr(KEYVAL)
+    if found is None:
+        found = CommState(MPI.COMM_NULL, MPI.COMM_NULL)
+        comm.Set_attr(KEYVAL, found)
+    found.mark_broken(reason, list(pending))
+    if raise_:
+        raise CollectiveTimeout(reason)

@@ -21,6 +21,9 @@ and ops mpiallreduce takes: :mod:`mpiallreduce._buffers`; the request objects ``
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import numpy as np
 from mpi4py import MPI
 
@@ -40,7 +43,8 @@ from ._buffers import (
 )
 from ._plans import fresh_arrays, shape_key
 from ._requests import CommPrequest, CommRequest
-from ._state import SHAPES
+from ._state import SHAPES, fail_on
+from ._waiting import wait_or_fail
 from .api import ALGORITHMS, allgather, allreduce, iallreduce, plan, reduce_scatter
 from .ops import native_deviates
 from .reproducible import covers
@@ -52,6 +56,16 @@ _PARTS = {"ring": ("ring", "ring"), "ring_segmented": ("ring", "ring"),
           "rabenseifner": ("recursive_halving", "recursive_doubling"),
           "recursive_doubling": ("auto", "recursive_doubling"), "cascade": ("ring", "ring"),
           "native": ("native", "native")}
+
+
+#: mpi4py's blocking collectives that a timeout covers through their non-blocking form (each
+#: ``X`` runs as ``Ix`` polled to the deadline), and the pickle-based ones built on them
+_WITH_DEADLINE = ("Barrier", "Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgatherv",
+                  "Alltoall", "Alltoallv", "Alltoallw", "Reduce", "Scan", "Exscan")
+_OBJECTS_WITH_DEADLINE = ("barrier", "bcast", "allgather", "allreduce")
+#: what a timeout cannot cover: mpi4py runs these with blocking calls of its own
+_NO_DEADLINE = ("gather", "scatter", "alltoall", "reduce", "scan", "exscan", "the neighbourhood "
+                "collectives", "point-to-point messages")
 
 
 class Comm(MPI.Intracomm):
@@ -67,7 +81,13 @@ class Comm(MPI.Intracomm):
             doubling), else ``"auto"``.
         options: as :func:`mpiallreduce.allreduce` takes them: ``check``, ``timeout``,
             ``topology`` and the algorithm's parameters (``segment_bytes=``...). ``check`` and
-            ``timeout`` apply to the related collectives too.
+            ``timeout`` apply to the related collectives too. ``timeout`` also covers mpi4py's
+            own blocking collectives (``Barrier``, ``Bcast``, ``Gather(v)``, ``Scatter(v)``,
+            ``Allgatherv``, ``Alltoall(v/w)``, ``Reduce``, ``Scan``, ``Exscan``: each runs as
+            its non-blocking form waited to the deadline) and the pickled ``barrier``,
+            ``bcast``, ``allgather`` and ``allreduce`` (mpi4py's allgather-then-reduce form,
+            the same result); the other pickled collectives cannot honour it, and the
+            constructor warns once that they wait as mpi4py's do.
 
     ``Dup``, ``Split``, ``Create`` and friends return ``Comm`` objects with the same options.
     """
@@ -102,6 +122,82 @@ class Comm(MPI.Intracomm):
         self._shapes: dict = {}  # (dtype, size, in place, id(op)) -> (Shape, op, handle)
         self._settings = dict(options, reduce_scatter_algorithm=reduce_scatter_algorithm,
                               allgather_algorithm=allgather_algorithm)
+        if self._args[3] is not None:
+            # Only with a timeout: a Comm without one runs mpi4py's methods with no extra frame
+            for name in _WITH_DEADLINE:
+                setattr(self, name, self._deadlined(name))
+            for name in _OBJECTS_WITH_DEADLINE:
+                setattr(self, name, getattr(self, f"_{name}_within"))
+            global _warned
+            if not _warned:
+                _warned = True
+                warnings.warn(f"mar.Comm(timeout=...): {', '.join(_NO_DEADLINE)} run as "
+                              f"mpi4py's, with no deadline", stacklevel=2)
+
+    # -- mpi4py's own collectives under this communicator's timeout ----------------------------
+
+    def _mpi(self, name: str, *args):
+        """Run mpi4py's collective ``name`` (what mpiallreduce hands to MPI): blocking, or with
+        this communicator's timeout, its non-blocking form waited to the deadline."""
+        timeout = self._args[3]
+        if timeout is None:
+            return getattr(MPI.Intracomm, name)(self, *args)
+        return self._wait(name, timeout, getattr(MPI.Intracomm, _nonblocking(name))(self, *args))
+
+    def _deadlined(self, name: str):
+        def collective(*args, **kwargs):
+            return self._wait(name, self._args[3],
+                              getattr(MPI.Intracomm, _nonblocking(name))(self, *args, **kwargs))
+        collective.__name__ = collective.__qualname__ = name
+        collective.__doc__ = getattr(MPI.Intracomm, name).__doc__
+        return collective
+
+    def _wait(self, name: str, timeout: float, request: MPI.Request) -> None:
+        """Wait for ``request`` up to ``timeout`` seconds; past it, CollectiveTimeout (and the
+        communicator takes no more mpiallreduce calls: its messages may still be in flight)."""
+        deadline = time.monotonic() + timeout
+        plain = self._plain()
+        wait_or_fail([request], deadline, lambda reason, pending: fail_on(plain, reason, pending),
+                     lambda: (f"{name} on rank {self.Get_rank()}: MPI's collective did not "
+                              f"complete within {timeout:g} s; some rank has not made this call "
+                              f"(MPI does not say which)"))
+
+    def _objects(self, obj, name: str) -> list:
+        """Every rank's ``obj``, in rank order: pickled, then two allgathers under the
+        deadline (mpi4py's naive form of its pickled collectives)."""
+        data = np.frombuffer(MPI.pickle.dumps(obj), dtype=np.uint8)
+        sizes = np.empty(self.Get_size(), dtype=np.int64)
+        timeout = self._args[3]
+        self._wait(name, timeout, MPI.Intracomm.Iallgather(
+            self, [np.array([data.size], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T]))
+        offsets = np.concatenate(([0], np.cumsum(sizes)))
+        gathered = np.empty(int(offsets[-1]), dtype=np.uint8)
+        self._wait(name, timeout, MPI.Intracomm.Iallgatherv(
+            self, [data, MPI.BYTE], [gathered, (sizes, offsets[:-1]), MPI.BYTE]))
+        return [MPI.pickle.loads(gathered[start:stop].tobytes())
+                for start, stop in zip(offsets[:-1], offsets[1:])]
+
+    def _barrier_within(self) -> None:
+        self._wait("barrier", self._args[3], MPI.Intracomm.Ibarrier(self))
+
+    def _bcast_within(self, obj, root: int = 0):
+        data = MPI.pickle.dumps(obj) if self.Get_rank() == root else b""
+        size = np.array([len(data)], dtype=np.int64)
+        self._wait("bcast", self._args[3], MPI.Intracomm.Ibcast(self, [size, MPI.INT64_T], root))
+        buf = np.frombuffer(data, dtype=np.uint8) if self.Get_rank() == root \
+            else np.empty(int(size[0]), dtype=np.uint8)
+        self._wait("bcast", self._args[3], MPI.Intracomm.Ibcast(self, [buf, MPI.BYTE], root))
+        return obj if self.Get_rank() == root else MPI.pickle.loads(buf.tobytes())
+
+    def _allgather_within(self, sendobj) -> list:
+        return self._objects(sendobj, "allgather")
+
+    def _allreduce_within(self, sendobj, op=MPI.SUM):
+        items = self._objects(sendobj, "allreduce")
+        result = items[0]
+        for item in items[1:]:
+            result = op(result, item)
+        return result
 
     def __repr__(self) -> str:
         return f"mpiallreduce.Comm(handle={self.handle:#x}, algorithm={self._algorithm!r})"
@@ -189,7 +285,7 @@ class Comm(MPI.Intracomm):
             route = self._route(lambda: self._with_plain(reduction(sendbuf, recvbuf, op)), op,
                                 "allreduce")
             if route is None:
-                return super().Allreduce(sendbuf, recvbuf, op)
+                return self._mpi("Allreduce", sendbuf, recvbuf, op)
             plain, send, recv = route
             if whole(send, recv, sendbuf, recvbuf):
                 # whole arrays (Fortran order too): the objects themselves from now on
@@ -202,7 +298,7 @@ class Comm(MPI.Intracomm):
             return None
         except Unviewable as agreed:
             settle(agreed, None)
-        return super().Allreduce(sendbuf, recvbuf, op)
+        return self._mpi("Allreduce", sendbuf, recvbuf, op)
 
     def _params_for(self, op, array) -> dict:
         """The keyword arguments of a routed call: ``reproducible`` only where it applies."""
@@ -307,7 +403,7 @@ class Comm(MPI.Intracomm):
         """Reduce, then scatter equal blocks: rank r gets block r, as mpi4py's."""
         if self._scatter_routed(sendbuf, recvbuf, None, op, block=True):
             return None
-        return super().Reduce_scatter_block(sendbuf, recvbuf, op)
+        return self._mpi("Reduce_scatter_block", sendbuf, recvbuf, op)
 
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM) -> None:
         """Reduce, then scatter blocks of ``recvcounts``: MPI's block layout goes through
@@ -319,10 +415,10 @@ class Comm(MPI.Intracomm):
         if recvcounts is None and sendbuf is not MPI.IN_PLACE:
             recvcounts = self._receive_counts(recvbuf)
             if recvcounts is None:
-                return super().Reduce_scatter(sendbuf, recvbuf, None, op)
+                return self._mpi("Reduce_scatter", sendbuf, recvbuf, None, op)
         if self._scatter_routed(sendbuf, recvbuf, recvcounts, op, block=False):
             return None
-        return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+        return self._mpi("Reduce_scatter", sendbuf, recvbuf, recvcounts, op)
 
     def _scatter_routed(self, sendbuf, recvbuf, recvcounts, op, block: bool) -> bool:
         """Run a reduce-scatter through mpiallreduce where it takes it; False: MPI runs it."""
@@ -350,7 +446,7 @@ class Comm(MPI.Intracomm):
                 return None
         except Unviewable as agreed:
             settle(agreed, None)
-        return super().Allgather(sendbuf, recvbuf)
+        return self._mpi("Allgather", sendbuf, recvbuf)
 
     # -- argument routing ----------------------------------------------------------------------
 
@@ -397,7 +493,7 @@ class Comm(MPI.Intracomm):
             probe = exc.probe
             mine = -1 if probe is None else -2  # -2: mpi4py cannot read it either
         counts = np.empty(self.Get_size(), dtype=np.int64)
-        MPI.Intracomm.Allgather(self, np.array([mine], dtype=np.int64), counts)
+        self._mpi("Allgather", np.array([mine], dtype=np.int64), counts)
         unreadable = counts == -2
         if unreadable.any() and not unreadable.all():
             # MPI would raise on those ranks and leave the others waiting: raise everywhere
@@ -453,3 +549,11 @@ class Comm(MPI.Intracomm):
 
     def Create_group(self, group, tag=0):
         return self._adopt(super().Create_group(group, tag))
+
+
+_warned = False  # the constructor's warning about collectives a timeout cannot cover: once
+
+
+def _nonblocking(name: str) -> str:
+    """The name of mpi4py's non-blocking form of collective ``name`` (``Bcast`` -> ``Ibcast``)."""
+    return "I" + name[0].lower() + name[1:]

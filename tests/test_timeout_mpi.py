@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -223,3 +224,75 @@ def test_a_timeout_that_is_not_reached_changes_nothing():
         assert_matches_native(comm, x, out, MPI.SUM)
         with mar.plan(x, comm=comm, algorithm=algorithm) as p:
             assert_matches_native(comm, x, p.run(timeout=60), MPI.SUM)
+
+
+# -- mar.Comm(timeout=...): mpi4py's own collectives keep the deadline too (issue 34, item 2) ---
+
+#: a collective of mar.Comm that mpi4py would run blocking, and the non-blocking call the
+#: skipper joins afterwards on the same communicator (what the others left pending)
+_COMM_CALLS = {
+    "allreduce": (lambda c: c.allreduce(c.rank + 1),
+                  lambda c: MPI.Intracomm.Iallgather(c, [np.zeros(1, np.int64), MPI.INT64_T],
+                                                     [np.empty(c.size, np.int64), MPI.INT64_T])),
+    "allgather": (lambda c: c.allgather({"rank": c.rank}),
+                  lambda c: MPI.Intracomm.Iallgather(c, [np.zeros(1, np.int64), MPI.INT64_T],
+                                                     [np.empty(c.size, np.int64), MPI.INT64_T])),
+    "bcast": (lambda c: c.bcast(None, root=SKIPPER),
+              lambda c: MPI.Intracomm.Ibcast(c, [np.zeros(1, np.int64), MPI.INT64_T], SKIPPER)),
+    "barrier": (lambda c: c.barrier(), lambda c: MPI.Intracomm.Ibarrier(c)),
+    "Barrier": (lambda c: c.Barrier(), lambda c: MPI.Intracomm.Ibarrier(c)),
+    "Bcast": (lambda c: c.Bcast(_BCAST_BUF, root=SKIPPER),
+              lambda c: MPI.Intracomm.Ibcast(c, _BCAST_BUF, SKIPPER)),
+}
+_BCAST_BUF = np.zeros(COUNT)  # outlives the abandoned request
+
+
+@pytest.mark.parametrize("name", list(_COMM_CALLS))
+def test_a_comm_with_a_timeout_times_out_in_mpi4pys_own_collectives(name):
+    # comm.allreduce(obj) on a mar.Comm(timeout=...) waited forever for a rank that never came
+    call, join = _COMM_CALLS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # test_a_comm_with_a_timeout_warns_what_it_cannot_cover
+        comm = mar.Comm(_throwaway_comm(), timeout=TIMEOUT)
+    messages = _skip_or_time_out(comm, lambda: call(comm))
+    for rank, message in enumerate(messages):
+        if rank != SKIPPER:
+            assert message == (f"{name} on rank {rank}: MPI's collective did not complete within "
+                               f"{TIMEOUT:g} s; some rank has not made this call (MPI does not "
+                               f"say which)")
+    _drain_collective(comm, lambda state: join(comm).Wait())
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+def test_a_comm_with_a_timeout_computes_what_mpi4py_does():
+    world = MPI.COMM_WORLD
+    comm = mar.Comm(world.Dup(), timeout=HANG)
+    assert comm.allreduce(world.rank + 1) == world.allreduce(world.rank + 1)
+    assert comm.allreduce([world.rank], op=MPI.SUM) == world.allreduce([world.rank])  # rank order
+    assert comm.allreduce(world.rank, op=MPI.MAX) == world.size - 1
+    assert comm.allgather({"r": world.rank}) == [{"r": r} for r in range(world.size)]
+    assert comm.bcast({"from": world.rank}, root=world.size - 1) == {"from": world.size - 1}
+    comm.barrier()
+    comm.Barrier()
+    buf = np.arange(COUNT, dtype=float) * (world.rank == 0)
+    comm.Bcast(buf, root=0)
+    assert np.array_equal(buf, np.arange(COUNT, dtype=float))
+    gathered = np.empty((world.size, 2)) if world.rank == 0 else None
+    comm.Gather(np.full(2, float(world.rank)), gathered, root=0)
+    if world.rank == 0:
+        assert np.array_equal(gathered, np.repeat(np.arange(world.size, dtype=float), 2)
+                              .reshape(world.size, 2))
+    comm.Free()
+
+
+def test_a_comm_with_a_timeout_warns_what_it_cannot_cover(monkeypatch):
+    monkeypatch.setattr(mar.comm, "_warned", False)
+    world = MPI.COMM_WORLD
+    with pytest.warns(UserWarning, match=r"gather, scatter, .* run as mpi4py's, with no deadline"):
+        comm = mar.Comm(world, timeout=HANG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a process
+        mar.Comm(world, timeout=HANG)
+        mar.Comm(world)
+    assert comm.allreduce(1) == world.size
