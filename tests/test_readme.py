@@ -109,3 +109,33 @@ def test_pages_keep_no_superseded_measurements(page):
              for number, line in enumerate(page.read_text().splitlines(), 1)
              if SUPERSEDED.search(line)]
     assert not stale, "superseded measurements kept (git history has them):\n" + "\n".join(stale)
+
+
+def _install_lines() -> list[str]:
+    """The shell lines of the README's Install section that set up a shell (source, export)."""
+    section = README.split("## Install", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for block in re.findall(r"```sh\n(.*?)```", section, flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line.startswith((". ", "source ", "export ")):
+                lines.append(line)
+    return lines
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "activate").exists(),
+                    reason="no .venv: the README's set-up command (make) has not run")
+def test_the_first_example_runs_as_written_after_the_set_up():
+    # After `make test-quick` the README's first example failed: `mpirun: command not found`
+    # (the venv was not on PATH), and Open MPI printed osc/ucx errors at the first window.
+    command = re.search(r"`(mpirun -n \d+ python -m mpi4py examples/\w+\.py)`", README).group(1)
+    env = {k: v for k, v in launcher_environment().items()
+           if not k.startswith(("OMPI_", "PRTE_", "VIRTUAL_ENV"))}
+    env["PATH"] = ":".join(p for p in env.get("PATH", "").split(":")
+                           if not p.startswith(str(ROOT)))
+    script = " && ".join([*_install_lines(), command])
+    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"{script}\n{result.stdout}\n{result.stderr}"
+    assert "pi ~" in result.stdout
+    assert "Error" not in result.stderr, result.stderr
