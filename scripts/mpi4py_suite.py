@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
     for ranks in args.ranks:
         reference = None
         for algorithm in ("plain", *args.algorithms):
+            start = time.monotonic()
             status, logs = run(venv, tests, ranks, algorithm, args.timeout)
+            seconds = time.monotonic() - start
             juntis = sorted(logs.glob("rank*.xml"))
             if status != 0 and algorithm == "plain":
                 print(f"mpi4py suite -n {ranks} plain: mpi4py's own run failed (exit {status}): "
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
             verdict = "ok" if not differ and status in (0, 1) else "FAILED"
             print(f"mpi4py suite -n {ranks} {algorithm:>18}: {counts['passed']} passed, "
                   f"{counts['failed']} failed, {counts['skipped']} skipped (rank 0); "
-                  f"{len(differ)} differ from plain mpi4py: {verdict}")
+                  f"{len(differ)} differ from plain mpi4py: {verdict} ({seconds:.0f} s)")
             for test in differ[:20]:
                 print(f"    {test}: " + ", ".join(
                     f"rank {r} {mine.get(test)} (plain {plain.get(test)})"
