@@ -75,11 +75,8 @@ PLACEMENT = tuple(range(2 + DATA_FIELDS.index("plan"), 2 + len(DATA_FIELDS)))
 #: most bytes per rank of the small regime (every rank reduces every slot).
 SMALL_BYTES = 32 << 10
 #: the same at 2 ranks on private arrays (:func:`small_bytes`): there each rank reduces the
-#: whole message either way, and one epoch instead of two measured faster (2026-12-01 23:28,
-#: float64 SUM in place, 7 interleaved rounds against Open MPI's Allreduce, time / native's:
-#: small regime 0.69 and 0.54 against 0.81 and 0.79 at 64 KiB in two jobs, 0.70-0.84 against
-#: 0.79-0.91 at 128 KiB, a tie at 256 KiB, the large regime ahead from 384 KiB: 0.83 against
-#: 0.85, 0.53 against 0.86 at 512 KiB, 0.82 against 1.23 at 1 MiB).
+#: whole message either way, and one epoch instead of two measured faster up to here
+#: (docs/performance.md, "Where shm stops").
 SMALL_BYTES_TWO_RANKS = 128 << 10
 
 

@@ -538,9 +538,8 @@ def test_fresh_arrays_per_call_run_their_shape_without_the_call_path(monkeypatch
                                                                      in_place):
     """``local = np.array([np.vdot(a, b)]); comm.Allreduce(IN_PLACE, local)``, as a solver's dot
     products are written: from the second call the shape mar.allreduce remembered runs on the
-    new arrays directly. Before, every call went through mar.allreduce's lookups (CG through
-    mar.Comm 1.45x plain mpi4py per iteration, 2026-12-02); a shape the cache dropped is
-    never run."""
+    new arrays directly instead of through mar.allreduce's lookups; a shape the cache
+    dropped is never run."""
     from conftest import assert_matches_native
 
     from mpiallreduce import _state
