@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from ._checks import COLLECTIVE_ALGORITHMS, check_comm
 from ._state import state as comm_state
-from .executor import check_timeout, wait_or_fail
+from .executor import MPI_CANNOT_SAY, check_timeout, wait_or_fail
 from .ops import DTYPES, OP_NAMES
 from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
 
@@ -83,7 +83,8 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
                 lambda: (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
                          f"within {timeout:g} s; some rank of the communicator has not made this "
                          f"call, or runs calls on it in a different order, or passed check=False "
-                         f"(no data has moved yet)"))
+                         f"(no data has moved yet; the check is one MPI collective, and "
+                         f"{MPI_CANNOT_SAY})"))
         if signature.result == signature.packed and error is None:
             return
         disagree(checker, what, signature.fields, error, names)

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveTimeout
-from .executor import ABANDONED, STEP_TAGS, poll, wait_or_fail
+from .executor import ABANDONED, MPI_CANNOT_SAY, STEP_TAGS, poll, wait_or_fail
 from .topology import Topology
 
 
@@ -249,7 +249,7 @@ def _idup(comm: MPI.Intracomm, deadline: float | None, what: str, state=None) ->
     dup, request = comm.Idup()
     if not poll([request], deadline):
         reason = (f"{what} on rank {comm.Get_rank()}: setting up the communicator (MPI_Comm_idup) "
-                  f"did not complete in time; some rank has not made this call")
+                  f"did not complete in time; some rank has not made this call ({MPI_CANNOT_SAY})")
         if state is not None:
             state.mark_broken(reason, [request])
         error = CollectiveTimeout(reason)

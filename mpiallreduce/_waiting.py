@@ -3,7 +3,9 @@
 ``poll`` tests requests back to back, then at a backing-off pace (:func:`patience`) until a
 deadline; ``wait_or_fail`` turns a missed deadline into the caller's failure (the communicator
 marked unusable, CollectiveTimeout raised). ``check_timeout`` is the one check of a
-``timeout=`` argument.
+``timeout=`` argument. ``unanswered`` words what a timeout message says of the ranks a
+schedule's step waits for; :data:`MPI_CANNOT_SAY` what it says where MPI's own collective
+was waited for.
 """
 
 from __future__ import annotations
@@ -74,3 +76,43 @@ def wait_or_fail(requests, deadline: float, fail, reason) -> None:
     if not poll(requests, deadline):
         fail(reason(), requests)
         raise AssertionError("fail() must raise")  # pragma: no cover
+
+
+# -- what a timeout message says about the ranks waited for -----------------------------------------
+
+#: what a timeout message says where the wait was MPI's own collective, which cannot tell
+#: which rank has not arrived
+MPI_CANNOT_SAY = "MPI does not say which rank is missing"
+
+
+def name_ranks(ranks) -> str:
+    """``"rank 2"``, ``"ranks 0 and 2"``, ``"ranks 0, 2 and 3"``."""
+    ranks = [str(rank) for rank in ranks]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(ranks[:-1])} and {ranks[-1]}"
+
+
+def unanswered(step: int, not_sent, not_received, call: str = "this call",
+               slow: bool = False) -> str:
+    """Say which peers a step of a schedule still waits for, and what each may be doing.
+
+    ``not_sent``: the peers whose messages of ``step`` have not arrived (pending receives);
+    ``not_received``: those that have not posted the receive for this rank's message (pending
+    sends). A peer may itself wait for another rank that has not arrived: the message names
+    what this rank knows, the peers it waits for. ``slow``: the wait may end yet (a request's
+    own ``wait(timeout)``, which leaves it in flight).
+    """
+    parts = []
+    if not_sent:
+        one = len(not_sent) == 1
+        parts.append(f"{name_ranks(not_sent)} {'has' if one else 'have'} not sent "
+                     f"{'its' if one else 'their'} step {step} message{'' if one else 's'}")
+    if not_received:
+        one = len(not_received) == 1
+        parts.append(f"{name_ranks(not_received)} {'has' if one else 'have'} not posted the "
+                     f"receive for this rank's step {step} message")
+    who = "it" if len({*not_sent, *not_received}) == 1 else "each"
+    return (f"{'; '.join(parts)} ({who} has not made {call}{', or is slow' if slow else ''}, or "
+            f"waits itself for a rank that has not; or ranks run plans or calls on this "
+            f"communicator in different orders)")

@@ -16,7 +16,7 @@ from . import _plans
 from ._agree import prepare
 from ._checks import Call, as_array, check_algorithm, matching_recv, no_in_place
 from ._state import state as comm_state
-from .executor import Layout, Plan, flat, scratch_size, wait_or_fail
+from .executor import MPI_CANNOT_SAY, Layout, Plan, flat, scratch_size, wait_or_fail
 from .ops import reducer
 from .partition import block, block_counts
 
@@ -42,7 +42,7 @@ def _run(call: Call, count: int, layout: Layout, native, timeout) -> np.ndarray:
                 [native(private, True)], time.monotonic() + timeout,
                 lambda reason, pending: state.fail(reason, pending, (call.send, call.recv, layout)),
                 lambda: (f"native {call.collective} on rank {private.Get_rank()}: not complete "
-                         f"within {timeout:g} s (MPI does not say which rank is missing)"))
+                         f"within {timeout:g} s ({MPI_CANNOT_SAY})"))
         if count and call.reducer is not None and call.reducer.average:
             np.divide(result, private.Get_size(), out=result)
         return call.recv

@@ -27,10 +27,12 @@ from ._binding import (  # noqa: F401 - flat and scratch_size are the package's 
 )
 from ._waiting import (  # noqa: F401 - as the package imports them from here
     BUSY_TESTS,
+    MPI_CANNOT_SAY,
     SPIN_SECONDS,
     check_timeout,
     patience,
     poll,
+    unanswered,
     wait_or_fail,
 )
 from .errors import CollectiveTimeout
@@ -550,22 +552,42 @@ class Plan(_PlanBase):
         self._post_into(requests, bound)
         return requests
 
-    def expire(self, requests, bound: _BoundStep, timeout: float) -> None:
-        """Give up on a step past its deadline: cancel its receives, mark the plan, raise."""
+    def stalled(self, requests, bound: _BoundStep | None) -> tuple[int, list, list]:
+        """Where a run in flight waits: ``(step index, peers whose messages of that step have
+        not arrived, peers that have not posted the receive for this rank's)``.
+
+        ``requests`` are the step's, receives first (as posted); ``bound`` None is a lean
+        start's first step. Asks each request's status without completing it: the failure
+        path only, nothing of this runs while the run goes well.
+        """
+        if bound is None:
+            bound = self._program[0][-1]
         nrecv = len(bound.recvs)
-        waiting = sorted({peer for (peer, _), request in zip(bound.recvs, requests[:nrecv])
-                          if not request.Test()})
-        unsent = sorted({peer for (peer, _), request in zip(bound.sends, requests[nrecv:])
-                         if not request.Test()})
-        for request in requests[:nrecv]:  # cancelling sends is deprecated in MPI-4
+        not_sent = sorted({peer for (peer, _), request in zip(bound.recvs, requests[:nrecv])
+                           if not request.Get_status()})
+        # a peer that has not sent has not posted its step at all: named once, as not sent
+        not_received = sorted({peer for (peer, _), request in zip(bound.sends, requests[nrecv:])
+                               if not request.Get_status()} - {*not_sent})
+        return bound.index, not_sent, not_received
+
+    def expire(self, requests, bound: _BoundStep | None, timeout: float) -> None:
+        """Give up on a step past its deadline: cancel its receives, mark the plan, raise
+        naming the peers the step waits for."""
+        if bound is None:  # a lean start's first step
+            bound = self._program[0][-1]
+        index, not_sent, not_received = self.stalled(requests, bound)
+        for request in requests[:len(bound.recvs)]:  # cancelling sends is deprecated in MPI-4
             if not request.Test():
                 request.Cancel()
                 request.Test()  # completes the cancel if it took
-        peers = ", ".join(map(str, waiting or unsent))
-        self.fail(f"{self._label} on rank {self.comm.Get_rank()}: no answer from rank(s) {peers} "
-                   f"in step {bound.index} within {timeout:g} s (a rank did not make this call, "
-                   f"or ranks run plans or calls on this communicator in different orders)",
-                   keep=(requests,))
+        where = f"{self._label} on rank {self.comm.Get_rank()}"
+        peers = sorted({*not_sent, *not_received})
+        if not peers:  # every message arrived between the last test and these
+            self.fail(f"{where}: step {index} did not complete within {timeout:g} s (its "
+                      f"messages arrived as the deadline passed)", keep=(requests,))
+        self.fail(f"{where}: no answer from rank(s) {', '.join(map(str, peers))} in step {index} "
+                  f"within {timeout:g} s: {unanswered(index, not_sent, not_received)}",
+                  keep=(requests,))
 
 
 class NativePlan(_PlanBase):
@@ -643,7 +665,7 @@ class NativePlan(_PlanBase):
             wait_or_fail([comm.Iallreduce(send, recv, op)], deadline, self.fail, lambda: (
                 f"native allreduce on rank {comm.Get_rank()}: not complete within {timeout:g} s "
                 f"(a rank did not make this call, or ranks run plans or calls on this "
-                f"communicator in different orders; MPI does not say which rank is missing)"))
+                f"communicator in different orders; {MPI_CANNOT_SAY})"))
         self.average()
         return self.recvbuf
 

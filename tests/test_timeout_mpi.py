@@ -1,7 +1,8 @@
 """Timeouts: when one rank skips a collective, the others raise CollectiveTimeout, never before
 the timeout (and within a bound so generous that only a hang exceeds it), naming the algorithm,
-step and peer; the plan and the communicator
-refuse further use on those ranks.
+the step and exactly the peers that step waits for (as the schedule says: :func:`_waits`), or
+saying plainly that MPI's own collective cannot tell; the plan and the communicator refuse
+further use on those ranks.
 
 Each test runs on a throwaway Dup of COMM_WORLD. After the timeout the skipping rank drains
 what the others left behind (messages on the private communicator, or the collective they
@@ -21,7 +22,8 @@ from conftest import assert_matches_native, contribution
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _agree, _state, shm
+from mpiallreduce import _agree, _state, algorithms, executor, shm
+from mpiallreduce._waiting import unanswered
 from mpiallreduce.partition import block, block_counts
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -32,7 +34,13 @@ TIMEOUT = 0.5
 #: the machine's cores, and a stuck rank would otherwise wait for the job's own timeout)
 HANG = 120.0
 COUNT = 64  # small enough that every message is sent eagerly
+#: float64 elements (4 MiB) whose every message travels by rendezvous: a send completes only
+#: once its receive is posted (Open MPI's shared-memory eager limit is 4 KiB, MPICH's 64 KiB)
+LARGE = 1 << 19
 SKIPPER = 0
+#: the point-to-point schedules (hierarchical and cascade told so: intra="p2p")
+P2P = {name: {"intra": "p2p"} if name in ("hierarchical", "cascade") else {}
+       for name in SCHEDULES if name != "shm"}
 
 
 def _throwaway_comm(algorithm="ring"):
@@ -44,6 +52,95 @@ def _throwaway_comm(algorithm="ring"):
     x = contribution(comm, COUNT, "float64")
     assert_matches_native(comm, x, mar.allreduce(x, comm=comm, algorithm=algorithm), MPI.SUM)
     return comm
+
+
+def _waits(schedule, eager: bool = True) -> dict:
+    """Where each rank of ``schedule`` but SKIPPER waits when SKIPPER never makes the call:
+    rank -> ``(step index, peers whose messages have not arrived, peers that have not posted
+    the receive for this rank's)``, or None where the rank completes.
+
+    A rank posts a step once its earlier steps completed. A receive completes once its peer has
+    posted the same step; a send at once where MPI sends it eagerly (``eager``), else (by
+    rendezvous) once its peer has posted the step. A peer that has not posted the step is named
+    once, as not sent, where this rank also receives from it.
+    """
+    steps = [[(index, step) for index, step in enumerate(mine) if step] for mine in schedule.ranks]
+    at = [0 if rank != SKIPPER else None for rank in range(schedule.nranks)]
+
+    def posted(peer, index):
+        return peer != SKIPPER and (at[peer] == len(steps[peer]) or steps[peer][at[peer]][0] >= index)
+
+    moved = True
+    while moved:
+        moved = False
+        for rank, mine in enumerate(steps):
+            if rank != SKIPPER and at[rank] < len(mine):
+                index, step = mine[at[rank]]
+                peers = [recv.peer for recv in step.recvs]
+                if not eager:
+                    peers += [send.peer for send in step.sends]
+                if all(posted(peer, index) for peer in peers):
+                    at[rank] += 1
+                    moved = True
+    waits = {}
+    for rank, mine in enumerate(steps):
+        if rank == SKIPPER:
+            continue
+        if at[rank] == len(mine):
+            waits[rank] = None
+            continue
+        index, step = mine[at[rank]]
+        not_sent = sorted({recv.peer for recv in step.recvs if not posted(recv.peer, index)})
+        not_received = [] if eager else sorted(
+            {send.peer for send in step.sends if not posted(send.peer, index)} - {*not_sent})
+        waits[rank] = (index, not_sent, not_received)
+    return waits
+
+
+def _numbers(text: str | None) -> list[int]:
+    return [] if text is None else [int(n) for n in re.findall(r"\d+", text)]
+
+
+def _named(message: str) -> tuple[int, list[int], list[int], list[int]]:
+    """What a schedule's timeout message names: ``(step, every rank named, ranks that have not
+    sent, ranks that have not posted their receive)``."""
+    step = re.search(r"no answer from rank\(s\) ([\d, ]+) in step (\d+) within", message)
+    assert step, message
+    sent = re.search(r"ranks? ([\d, and]+) ha(?:s|ve) not sent (?:its|their) step (\d+) "
+                     r"messages?", message)
+    posted = re.search(r"ranks? ([\d, and]+) ha(?:s|ve) not posted the receive for this rank's "
+                       r"step (\d+) message", message)
+    for found in (sent, posted):
+        assert found is None or found.group(2) == step.group(2), message
+    return (int(step.group(2)), _numbers(step.group(1)), _numbers(sent and sent.group(1)),
+            _numbers(posted and posted.group(1)))
+
+
+def _schedule_of(comm, algorithm: str, count: int, **params):
+    """The whole schedule a call of ``algorithm`` runs on ``comm`` (the topology it found)."""
+    topology = (_state.state(comm).default_topology() if algorithms.get(algorithm).uses_topology
+                else None)
+    return algorithms.build(algorithm, comm.size, count, topology=topology, **params)
+
+
+def _assert_names_what_it_waits_for(messages, waits, label: str) -> None:
+    """Every rank but SKIPPER names exactly the peers ``waits`` says, in its words."""
+    problems = []
+    for rank, message in enumerate(messages):
+        if rank == SKIPPER:
+            continue
+        index, not_sent, not_received = waits[rank]
+        expected = (index, sorted({*not_sent, *not_received}), not_sent, not_received)
+        if not message.startswith(f"{label} on rank {rank}: no answer from rank(s) ") \
+                or _named(message) != expected:
+            problems.append(f"rank {rank}: expected {expected}, got {message!r}")
+        who = "it" if len(expected[1]) == 1 else "each"
+        if f"in step {index} within {TIMEOUT:g} s: " not in message \
+                or f"({who} has not made this call, or waits itself for a rank that has not; " \
+                   f"or ranks run plans or calls on this communicator in different orders)" \
+                not in message:
+            problems.append(f"rank {rank}: the causes are not told: {message!r}")
+    assert not problems, problems
 
 
 def _skip_or_time_out(comm, call):
@@ -64,16 +161,18 @@ def _skip_or_time_out(comm, call):
 
 
 def _drain_messages(comm):
-    """Receive every point-to-point message left on the private Dup; end with a flush mark."""
+    """Receive every point-to-point message left on the private Dup, whatever its size (sends
+    too large to go eagerly still wait for it); end with a flush mark."""
     private = _state.state(comm).private
     flush = private.Get_attr(MPI.TAG_UB)
     marks = [private.Isend(np.empty(0), peer, flush) for peer in range(comm.size) if peer != comm.rank]
-    buf, status = np.empty(COUNT), MPI.Status()
+    status = MPI.Status()
     for peer in range(comm.size):
         if peer == comm.rank:
             continue
         while True:  # MPI's non-overtaking rule: the mark comes after everything peer sent
-            private.Recv(buf, peer, MPI.ANY_TAG, status)
+            message = private.Mprobe(peer, MPI.ANY_TAG, status)
+            message.Recv([np.empty(status.Get_count(MPI.BYTE), np.uint8), MPI.BYTE])
             if status.Get_tag() == flush:
                 break
     MPI.Request.Waitall(marks)
@@ -107,20 +206,74 @@ def test_a_skipped_call_times_out_inside_the_schedule(algorithm, monkeypatch):
     monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
     comm = _throwaway_comm(algorithm)
     x = contribution(comm, COUNT, "float64")
+    with mar.plan(x, comm=comm, algorithm=algorithm) as p:  # the transport the call takes
+        schedule = isinstance(p, executor.Plan)
     messages = _skip_or_time_out(
         comm, lambda: mar.allreduce(x, comm=comm, algorithm=algorithm, check=False,
                                     timeout=TIMEOUT))
-    pattern = rf"{algorithm} allreduce on rank \d+: no answer from rank\(s\) [\d, ]+ in step \d+ "
+    if schedule:  # exactly the peers of this rank's pending receives in its step
+        waits = _waits(_schedule_of(comm, algorithm, COUNT))
+        assert all(waits.values()), f"some rank does not wait for the skipper: {waits}"
+        _assert_names_what_it_waits_for(messages, waits, f"{algorithm} allreduce")
+    else:  # shared memory: every rank that has not arrived, the skipper alone
+        for rank, message in enumerate(messages[1:], start=1):
+            assert message.startswith(f"{algorithm} allreduce on rank {rank}: no answer from "
+                                      f"rank(s) {SKIPPER} in step 0 within {TIMEOUT:g} s"), message
     for message in messages[1:]:
-        assert message is not None
-        assert message.endswith(f"within {TIMEOUT:g} s (a rank did not make this call, or ranks "
-                                f"run plans or calls on this communicator in different orders); "
-                                f"the plan is unusable now")
-        assert re.match(pattern, message), message
-    assert any(f"no answer from rank(s) {SKIPPER} in step" in m for m in messages[1:]), messages
+        assert message.endswith("; the plan is unusable now"), message
     _drain_messages(comm)
     _assert_refused_later(comm)
     comm.Free()
+
+
+def test_a_schedules_message_in_full():
+    """One message word for word: rank 1 of a ring waits for rank 0's first message."""
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    messages = _skip_or_time_out(
+        comm, lambda: mar.allreduce(x, comm=comm, algorithm="ring", check=False, timeout=TIMEOUT))
+    assert messages[1] == (f"ring allreduce on rank 1: no answer from rank(s) 0 in step 0 within "
+                           f"{TIMEOUT:g} s: rank 0 has not sent its step 0 message (it has not "
+                           f"made this call, or waits itself for a rank that has not; or ranks "
+                           f"run plans or calls on this communicator in different orders); the "
+                           f"plan is unusable now")
+    _drain_messages(comm)
+    comm.Free()
+
+
+@pytest.mark.parametrize("algorithm", list(P2P))
+def test_a_skipped_call_names_the_peers_that_have_not_posted_their_receive(algorithm):
+    """Messages too large to send eagerly: a send waits for its receive, so a rank whose step
+    only sends to a rank that never came names it too, as not having posted the receive."""
+    comm = _throwaway_comm(algorithm)
+    x = contribution(comm, LARGE, "float64")
+    messages = _skip_or_time_out(
+        comm, lambda: mar.allreduce(x, comm=comm, algorithm=algorithm, check=False,
+                                    timeout=TIMEOUT, **P2P[algorithm]))
+    waits = _waits(_schedule_of(comm, algorithm, LARGE, **P2P[algorithm]), eager=False)
+    assert all(waits.values()), f"some rank does not wait for the skipper: {waits}"
+    _assert_names_what_it_waits_for(messages, waits, f"{algorithm} allreduce")
+    _drain_messages(comm)
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+def test_the_peers_named_in_one_sentence():
+    assert unanswered(3, [0, 2], []) == (
+        "ranks 0 and 2 have not sent their step 3 messages (each has not made this call, or "
+        "waits itself for a rank that has not; or ranks run plans or calls on this "
+        "communicator in different orders)")
+    assert unanswered(1, [4], [1, 5, 6]) == (
+        "rank 4 has not sent its step 1 message; ranks 1, 5 and 6 have not posted the receive "
+        "for this rank's step 1 message (each has not made this call, or waits itself for a "
+        "rank that has not; or ranks run plans or calls on this communicator in different "
+        "orders)")
+    assert unanswered(0, [], [2], "the matching call", slow=True) == (
+        "rank 2 has not posted the receive for this rank's step 0 message (it has not made the "
+        "matching call, or is slow, or waits itself for a rank that has not; or ranks run plans "
+        "or calls on this communicator in different orders)")
+    assert _named("x on rank 3: no answer from rank(s) 0, 2 in step 4 within 1 s: ranks 0 "
+                  "and 2 have not sent their step 4 messages (...)") == (4, [0, 2], [0, 2], [])
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "native"])
@@ -133,7 +286,8 @@ def test_a_skipped_call_times_out_in_the_argument_check(algorithm):
         assert message == (f"allreduce on rank {rank}: the argument check did not complete "
                            f"within {TIMEOUT:g} s; some rank of the communicator has not made "
                            f"this call, or runs calls on it in a different order, or passed "
-                           f"check=False (no data has moved yet)")
+                           f"check=False (no data has moved yet; the check is one MPI "
+                           f"collective, and MPI does not say which rank is missing)")
     fields = 2 * len(_agree.FIELDS)
     _drain_collective(comm, lambda state: state.checker.Iallreduce(
         np.zeros(fields, dtype=np.int64), np.empty(fields, dtype=np.int64), MPI.MAX).Wait())
@@ -193,6 +347,132 @@ def test_a_native_related_collective_times_out(collective):
                            f"{TIMEOUT:g} s (MPI does not say which rank is missing)")
     _drain_collective(comm, lambda state: start(state.private).Wait())
     _assert_refused_later(comm)
+    comm.Free()
+
+
+def test_a_skipped_first_call_times_out_setting_up_the_communicator():
+    comm = MPI.COMM_WORLD.Dup()  # no state yet: the call begins with MPI_Comm_idup
+    x = contribution(comm, COUNT, "float64")
+    messages = _skip_or_time_out(
+        comm, lambda: mar.allreduce(x, comm=comm, algorithm="ring", timeout=TIMEOUT))
+    for rank, message in enumerate(messages[1:], start=1):
+        assert message == (f"allreduce on rank {rank}: setting up the communicator "
+                           f"(MPI_Comm_idup) did not complete in time; some rank has not made "
+                           f"this call (MPI does not say which rank is missing)")
+    if comm.rank == SKIPPER:
+        dup, request = comm.Idup()
+        request.Wait()
+        dup.Free()
+    else:
+        MPI.Request.Waitall(_state.existing(comm).stale)
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+#: related collectives and their schedules
+_RELATED = [("reduce_scatter", "ring"), ("reduce_scatter", "recursive_halving"),
+            ("allgather", "ring"), ("allgather", "recursive_doubling"),
+            ("bcast", "binomial"), ("bcast", "scatter_allgather"), ("alltoall", "pairwise")]
+
+
+def _related_call(collective: str, comm, x: np.ndarray):
+    """``(call(**keywords), the count its schedule covers, builder parameters)``."""
+    n, p = x.size, comm.size
+    lo, hi = block(n, p, comm.rank)
+    out = np.empty(hi - lo) if collective == "reduce_scatter" else np.empty_like(x)
+    return {
+        "reduce_scatter": (lambda **kw: mar.reduce_scatter(x, out, **kw), n, {}),
+        "allgather": (lambda **kw: mar.allgather(x[lo:hi].copy(), out, **kw), n, {}),
+        "bcast": (lambda **kw: mar.bcast(out, SKIPPER, **kw), n, {"root": SKIPPER}),
+        "alltoall": (lambda **kw: mar.alltoall(x, out, **kw), 2 * n, {}),
+    }[collective]
+
+
+@pytest.mark.parametrize("collective, algorithm", _RELATED)
+def test_a_related_collectives_schedule_names_the_peers(collective, algorithm):
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT * comm.size, "float64")
+    call, count, params = _related_call(collective, comm, x)
+    messages = _skip_or_time_out(comm, lambda: call(comm=comm, algorithm=algorithm, check=False,
+                                                    timeout=TIMEOUT))
+    waits = _waits(algorithms.build(algorithm, comm.size, count, collective=collective, **params))
+    assert all(waits.values()), f"some rank does not wait for the skipper: {waits}"
+    _assert_names_what_it_waits_for(messages, waits, f"{collective} {algorithm}")
+    _drain_messages(comm)
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+@pytest.mark.parametrize("kind", ["iallreduce", "start"])
+def test_a_skipped_request_names_the_peers(kind):
+    """A non-blocking run past its own deadline names the peers as a blocking run does."""
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    p = mar.plan(x, comm=comm, algorithm="ring") if kind == "start" else None  # collective
+    if p is None:
+        call = lambda: mar.iallreduce(x, comm=comm, algorithm="ring", check=False,
+                                      timeout=TIMEOUT).wait()
+    else:
+        call = lambda: mar.start(p, timeout=TIMEOUT).wait()
+    messages = _skip_or_time_out(comm, call)
+    _assert_names_what_it_waits_for(messages, _waits(_schedule_of(comm, "ring", COUNT)),
+                                    "ring allreduce")
+    _drain_messages(comm)
+    if p is not None:
+        p.free()
+    _assert_refused_later(comm)
+    comm.Free()
+
+
+def test_a_wait_that_times_out_names_the_peers_and_leaves_the_request_in_flight():
+    world = MPI.COMM_WORLD
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    world.Barrier()
+    message = None
+    if comm.rank != SKIPPER:
+        request = mar.iallreduce(x, comm=comm, algorithm="ring", check=False)
+        with pytest.raises(mar.CollectiveTimeout) as info:
+            request.wait(timeout=TIMEOUT)
+        message = str(info.value)
+    world.Barrier()  # the skipper calls only now: the others' requests complete
+    if comm.rank == SKIPPER:
+        request = mar.iallreduce(x, comm=comm, algorithm="ring", check=False)
+    assert_matches_native(comm, x, request.wait(), MPI.SUM)
+    messages = world.allgather(message)
+    waits = _waits(_schedule_of(comm, "ring", COUNT))
+    for rank, message in enumerate(messages):
+        if rank != SKIPPER:
+            index, not_sent, not_received = waits[rank]
+            assert message == (f"request not complete within {TIMEOUT:g} s; it is still in "
+                               f"flight: ring allreduce on rank {rank} waits in step {index}: "
+                               f"{unanswered(index, not_sent, not_received, 'the matching call', slow=True)}"
+                               f"; wait again, or Abort"), message
+    comm.Free()
+
+
+def test_a_wait_on_mpis_own_collective_says_it_cannot_tell():
+    world = MPI.COMM_WORLD
+    comm = _throwaway_comm()
+    x = contribution(comm, COUNT, "float64")
+    mar.iallreduce(x, comm=comm, algorithm="native").wait()  # its duplicate exists
+    world.Barrier()
+    message = None
+    if comm.rank != SKIPPER:
+        request = mar.iallreduce(x, comm=comm, algorithm="native", check=False)
+        with pytest.raises(mar.CollectiveTimeout) as info:
+            request.wait(timeout=TIMEOUT)
+        message = str(info.value)
+    world.Barrier()
+    if comm.rank == SKIPPER:
+        request = mar.iallreduce(x, comm=comm, algorithm="native", check=False)
+    assert_matches_native(comm, x, request.wait(), MPI.SUM)
+    for rank, told in enumerate(world.allgather(message)):
+        if rank != SKIPPER:
+            assert told == (f"request not complete within {TIMEOUT:g} s; it is still in "
+                            f"flight: native iallreduce on rank {rank}: a rank has not made the "
+                            f"matching call, or is slow (MPI does not say which rank is "
+                            f"missing); wait again, or Abort"), told
     comm.Free()
 
 
