@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from ._waiting import meet
 from .errors import CollectiveTimeout
-from .executor import ABANDONED, MPI_CANNOT_SAY, STEP_TAGS, poll, wait_or_fail
+from .executor import ABANDONED, MPI_CANNOT_SAY, STEP_TAGS, poll
 from .topology import Topology
 
 
@@ -236,9 +237,8 @@ class CommState:
         """
         if self.topology is None:
             if deadline is not None:
-                wait_or_fail([self.private.Ibarrier()], deadline, self.fail, lambda: (
-                    f"{what} on rank {self.private.Get_rank()}: topology discovery did not "
-                    f"complete in time; some rank has not made this call"))
+                meet(self.private, deadline, self.fail,
+                     f"{what} on rank {self.private.Get_rank()}: topology discovery")
             self.topology = Topology.from_comm(self.private)
         return self.topology
 

@@ -78,6 +78,16 @@ def wait_or_fail(requests, deadline: float, fail, reason) -> None:
         raise AssertionError("fail() must raise")  # pragma: no cover
 
 
+def meet(comm, deadline: float, fail, doing: str) -> None:
+    """Wait until every rank of ``comm`` has come here (a non-blocking barrier polled up to
+    ``deadline``), before a set-up step that is collective; past it ``fail`` raises
+    CollectiveTimeout, saying that ``doing`` (e.g. "allreduce on rank 1: setting up shared
+    memory") did not complete."""
+    wait_or_fail([comm.Ibarrier()], deadline, fail, lambda: (
+        f"{doing} did not complete in time; some rank has not made this call "
+        f"({MPI_CANNOT_SAY})"))
+
+
 # -- what a timeout message says about the ranks waited for -----------------------------------------
 
 #: what a timeout message says where the wait was MPI's own collective, which cannot tell

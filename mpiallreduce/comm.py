@@ -44,7 +44,7 @@ from ._buffers import (
 from ._plans import fresh_arrays, shape_key
 from ._requests import CommPrequest, CommRequest
 from ._state import SHAPES, fail_on
-from ._waiting import wait_or_fail
+from ._waiting import MPI_CANNOT_SAY, wait_or_fail
 from .api import ALGORITHMS, allgather, allreduce, iallreduce, plan, reduce_scatter
 from .ops import native_deviates
 from .reproducible import covers
@@ -160,7 +160,7 @@ class Comm(MPI.Intracomm):
         wait_or_fail([request], deadline, lambda reason, pending: fail_on(plain, reason, pending),
                      lambda: (f"{name} on rank {self.Get_rank()}: MPI's collective did not "
                               f"complete within {timeout:g} s; some rank has not made this call "
-                              f"(MPI does not say which)"))
+                              f"({MPI_CANNOT_SAY})"))
 
     def _objects(self, obj, name: str) -> list:
         """Every rank's ``obj``, in rank order: pickled, then two allgathers under the

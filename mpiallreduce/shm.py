@@ -52,8 +52,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import executor
+from ._waiting import meet
 from .errors import CollectiveTimeout
-from .executor import ABANDONED, _PlanBase, _untraced, flat, poll, wait_or_fail
+from .executor import ABANDONED, _PlanBase, _untraced, flat, poll
 from .ops import DTYPES, exact_sum
 from .partition import block
 
@@ -297,9 +298,8 @@ class Node:
         """Let every rank arrive before a blocking collective, within ``deadline``."""
         if deadline is None:
             return
-        wait_or_fail([self.comm.Ibarrier()], deadline, self.state.fail, lambda: (
-            f"{what} on rank {self.comm.Get_rank()}: setting up shared memory did not complete "
-            f"in time; some rank has not made this call"))
+        meet(self.comm, deadline, self.state.fail,
+             f"{what} on rank {self.comm.Get_rank()}: setting up shared memory")
 
     def reserve(self, nbytes: int, deadline: float | None, what: str) -> None:
         """Grow the data window to two slots of ``nbytes`` per rank (collective when it grows).
@@ -376,9 +376,8 @@ def node_of(state, deadline: float | None = None, what: str = "allreduce") -> No
     found = private.Get_attr(KEYVAL)
     if found is None:
         if deadline is not None:
-            wait_or_fail([private.Ibarrier()], deadline, state.fail, lambda: (
-                f"{what} on rank {private.Get_rank()}: setting up shared memory did not "
-                f"complete in time; some rank has not made this call"))
+            meet(private, deadline, state.fail,
+                 f"{what} on rank {private.Get_rank()}: setting up shared memory")
         found = Node(private, state)
         private.Set_attr(KEYVAL, found)
         if found.size == private.Get_size():

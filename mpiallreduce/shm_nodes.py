@@ -43,8 +43,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import executor
+from ._waiting import meet
 from .errors import CollectiveTimeout
-from .executor import Plan, _PlanBase, flat, wait_or_fail
+from .executor import Plan, _PlanBase, flat
 from .ops import DTYPES
 from .partition import block
 from .shm import KIND_DATA, Node, ShmPlan, digest, signature_words
@@ -81,9 +82,8 @@ def node_for(state, topology, deadline: float | None = None, what: str = "allred
     if key in table:
         return table[key]
     if deadline is not None:
-        wait_or_fail([private.Ibarrier()], deadline, state.fail, lambda: (
-            f"{what} on rank {private.Get_rank()}: setting up shared memory did not "
-            f"complete in time; some rank has not made this call"))
+        meet(private, deadline, state.fail,
+             f"{what} on rank {private.Get_rank()}: setting up shared memory")
     rank = private.Get_rank()
     comm = private.Split(key[rank], rank)
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())

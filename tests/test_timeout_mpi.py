@@ -539,7 +539,7 @@ def test_a_comm_with_a_timeout_times_out_in_mpi4pys_own_collectives(name):
         if rank != SKIPPER:
             assert message == (f"{name} on rank {rank}: MPI's collective did not complete within "
                                f"{TIMEOUT:g} s; some rank has not made this call (MPI does not "
-                               f"say which)")
+                               f"say which rank is missing)")
     _drain_collective(comm, lambda state: join(comm).Wait())
     _assert_refused_later(comm)
     comm.Free()
