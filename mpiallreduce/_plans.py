@@ -14,8 +14,8 @@ from mpi4py import MPI
 
 from . import algorithms, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree
-from ._checks import ALGORITHMS, Call
-from ._state import CALLS, CommState
+from ._checks import ALGORITHMS, Call, plain_timeout
+from ._state import CALLS, LAST, CommState
 from .algorithms.compose import check_intra
 from .algorithms.nodes import NODE_PHASED, node_phase
 from .executor import NativePlan, Plan, scratch_size
@@ -250,6 +250,75 @@ def checks_itself(call: Call, state: CommState) -> bool:
 
 # -- the one-shot call cache --------------------------------------------------------------------------
 
+_WORLD = MPI.COMM_WORLD
+
+
+def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
+                params: dict):
+    """Run a call through the call cache: the one call path of every entry point that keeps
+    what its first call bound (``allreduce``, ``iallreduce``, ``reproducible=True``).
+
+    Normalise (``comm=None`` is ``COMM_WORLD``, a NumPy timeout a float), find the
+    :class:`BoundCall` kept for these very objects, agree (with ``check``, unless its run checks
+    the arguments itself) and run it. A call the cache does not hold, or whose entry these arrays
+    or this timeout do not fit, is ``bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology,
+    check, timeout, params)``'s: it checks and runs the call as a first one, and may keep it
+    under :func:`call_key`.
+
+    ``kind``: None for a blocking allreduce, else the word that marks another entry point's
+    entries (``"iallreduce"``, ``"reproducible"``) in ``slot``, the key's third item:
+    ``id(recvbuf)`` or ``(kind, id(recvbuf))``, under which ``LAST`` holds the entry last bound
+    to ``recvbuf``.
+    """
+    if comm is None:
+        comm = _WORLD
+    if timeout is not None and type(timeout) not in (int, float):
+        timeout = plain_timeout(timeout)
+    # kept flat: every lookup here shows in the cost of an 8-byte call
+    slot = id(recvbuf) if kind is None else (kind, id(recvbuf))
+    entry = LAST.get(slot)  # the entry last bound to recvbuf, verified object by object
+    if entry is not None:
+        objects = entry.objects
+        if objects[1] is not sendbuf or objects[3] is not op or objects[0] is not comm \
+                or objects[4] is not topology or entry.algorithm != algorithm \
+                or entry.params != params:
+            # another entry may hold recvbuf with other objects (without one, LAST holds none
+            # for it: CallCache keeps it so, and a fresh array per call skips this lookup)
+            entry = CALLS.get(call_key(slot, comm, sendbuf, op, algorithm, topology, params))
+        # The entry holds the objects of its key alive, so equal ids are the same objects.
+        # Freeing the communicator or a timeout on it drops its entries (CommState), and a plan
+        # reads its arrays as flat memory, so only an element type assigned since
+        # (x.dtype = ...) rebinds (a new shape of one array object is checked as a first call's)
+        if entry is not None and recvbuf.dtype is entry.dtype \
+                and (entry.in_place or (sendbuf.dtype is entry.dtype
+                                        and sendbuf.shape == recvbuf.shape)) \
+                and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
+            if check and not entry.fused:  # a fused entry's run checks the arguments itself
+                entry.agree(timeout)
+            if timeout is None:
+                direct = entry.direct
+                if direct is not None:
+                    direct(*entry.args)
+                    return entry.result
+            elif entry.timed is not None:  # (the timeout checked above)
+                entry.timed(timeout)
+                return entry.result
+            return entry.run(timeout)
+    return bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params)
+
+
+def call_key(slot, comm, sendbuf, op, algorithm, topology, params: dict) -> tuple | None:
+    """The call cache's key of a call (``slot``: see :func:`cached_call`), or None where a
+    parameter value cannot be hashed (such a call is not kept)."""
+    key = (id(comm), id(sendbuf), slot, id(op), algorithm, id(topology),
+           tuple(params.items()) if params else ())
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _call_each(calls: tuple) -> None:
     for call in calls:
         call()
@@ -271,35 +340,55 @@ class _Known:
               timeout, state.fail)
 
 
-class CallEntry(_Known):
-    """A bound one-shot allreduce, kept for the next call with the same objects.
+class BoundCall(_Known):
+    """What the call cache keeps of a call for the next one with the same objects: all that
+    :func:`cached_call` reads, whatever the entry point.
 
-    Holds the objects of the call (so their ``id`` and memory stay theirs), the dtype they had
-    (a plan reads its arrays as flat memory: a new shape of the same array changes nothing), the
-    plan, and the call's signature packed for the agreement check (with and
-    without a timeout). ``direct(*args)`` runs it without a deadline: the native call itself,
-    with the MPI datatype given so that mpi4py need not infer it, when nothing else is needed
-    (no AVG division, one piece), a schedule's flat calls, or an shm plan's run; else None and
-    the plan runs. ``timed(timeout)``: an shm small-regime run with a timeout, else None.
-    ``fused``: the plan's run checks the arguments itself (an shm plan on a node,
-    :func:`checks_itself`), so ``check=True`` skips :meth:`agree`.
+    ``objects``: comm, sendbuf, recvbuf, op, topology as passed (held, so their ``id`` and
+    memory stay theirs); ``algorithm`` and ``params`` as requested; ``dtype`` (the result's)
+    and ``in_place`` as bound (a plan reads its arrays as flat memory: a new shape of the same
+    array changes nothing). ``fused``: the run checks the call's arguments itself (an shm plan on
+    a node, :func:`checks_itself`), so ``check=True`` skips :meth:`agree`. The run, fastest
+    first: ``direct(*args)`` without a deadline and ``timed(timeout)`` with one (each None where
+    the call has no such form), after which the call returns ``result``; else ``run(timeout)``,
+    which returns what the call returns. ``nbytes`` and ``free()`` are for the cache's bounds.
     """
 
-    __slots__ = ("plan", "run", "state", "objects", "algorithm", "params", "dtype", "in_place",
-                 "signatures", "nbytes", "direct", "args", "fused", "timed")
+    __slots__ = ("state", "objects", "algorithm", "params", "dtype", "in_place", "signatures",
+                 "nbytes", "fused", "direct", "args", "timed", "result")
 
-    def __init__(self, call: Call, plan, state: CommState, objects: tuple):
-        self.plan = plan
-        self.run = plan.run
+    def __init__(self, call: Call, state: CommState, objects: tuple, signature=None):
+        """``signature(timeout)``: the fields the agreement compares (by default the call's)."""
+        signature = call.signature if signature is None else signature
         self.state = state
-        self.objects = objects  # comm, sendbuf, recvbuf, op, topology as passed
+        self.objects = objects
         self.algorithm, self.params = call.algorithm, call.params  # as requested
         self.dtype = call.recv.dtype
         self.in_place = call.send is None
-        self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
+        self.signatures = (Signature(signature(None)), Signature(signature(1.0)))
+        self.nbytes = 0
+        self.fused = False
+        self.direct = self.args = self.timed = None
+        self.result = objects[2]
+
+
+class CallEntry(BoundCall):
+    """A bound one-shot allreduce (:class:`BoundCall`).
+
+    ``direct(*args)``: the native call itself, with the MPI datatype given so that mpi4py need
+    not infer it, when nothing else is needed (no AVG division, one piece), a schedule's flat
+    calls, or an shm plan's run; else None and the plan runs. ``timed(timeout)``: an shm
+    small-regime run with a timeout, else None.
+    """
+
+    __slots__ = ("plan", "run")
+
+    def __init__(self, call: Call, plan, state: CommState, objects: tuple):
+        super().__init__(call, state, objects)
+        self.plan = plan
+        self.run = plan.run
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
-        self.direct = self.args = self.timed = None
         self.fused = fused(plan)
         if self.fused:
             # with a timeout (checked by the caller) the small regime's timed closure

@@ -16,8 +16,8 @@ from mpi4py import MPI
 from . import _plans
 from . import reproducible as _reproducible
 from ._agree import prepare
-from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call, plain_timeout
-from ._state import CALLS, LAST, SHAPES
+from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
+from ._state import SHAPES
 from ._state import state as comm_state
 from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .nonblocking import iallreduce as _iallreduce
@@ -25,8 +25,6 @@ from .nonblocking import start
 
 __all__ = ["ALGORITHMS", "COLLECTIVE_ALGORITHMS", "allgather", "allreduce", "alltoall", "bcast",
            "iallreduce", "plan", "reduce_scatter", "start"]
-
-_WORLD = MPI.COMM_WORLD
 
 
 def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
@@ -78,54 +76,22 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     if reproducible:
         return _reproducible.allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
                                        timeout, params)
-    if comm is None:
-        comm = _WORLD
-    if timeout is not None and type(timeout) not in (int, float):
-        timeout = plain_timeout(timeout)
+    return _plans.cached_call(None, _bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                              timeout, params)
+
+
+def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params):
+    """An allreduce the call cache does not hold (:func:`._plans.cached_call`, whose arguments
+    these are): known by its shape, or checked, bound, run and kept."""
     if recvbuf is None and type(sendbuf) is np.ndarray and sendbuf.nbytes <= _plans.STAGE_BYTES \
             and sendbuf.flags.c_contiguous:
-        # ``total = mar.allreduce(local)``: the result array is made here, as the cold path
-        # would, so that a call like an earlier one is known by its shape (a fresh array per
-        # call) instead of set up again (~200 us at 8 bytes)
+        # ``total = mar.allreduce(local)``: the result array is made here, as the checks would,
+        # so that a call like an earlier one is known by its shape (a fresh array per call)
+        # instead of set up again
         recvbuf = allocated = np.empty_like(sendbuf)
     else:
         allocated = None
-    # the hot path of a repeated call, kept flat: every lookup here shows at 8 bytes
-    key = None
-    entry = LAST.get(id(recvbuf))  # the plan last bound to recvbuf, verified object by object
-    if entry is not None:
-        objects = entry.objects
-        if objects[1] is not sendbuf or objects[3] is not op or objects[0] is not comm \
-                or objects[4] is not topology or entry.algorithm != algorithm \
-                or entry.params != params:
-            # another entry may hold recvbuf with other objects (without one, LAST holds none
-            # for it: CallCache keeps it so, and a fresh array per call skips this lookup)
-            key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
-                   tuple(params.items()) if params else ())
-            try:
-                entry = CALLS.get(key)
-            except TypeError:  # a parameter value that cannot be hashed: no caching
-                entry = key = None
-    # The entry holds the objects of its key alive, so equal ids are the same objects. Freeing
-    # the communicator or a timeout on it drops its entries (CommState), and a plan reads its
-    # arrays as flat memory, so only an element type assigned since (x.dtype = ...) rebinds.
-    # (a new shape of the same array object is checked as a cold call checks it)
-    if entry is not None and recvbuf.dtype is entry.dtype \
-            and (entry.in_place or (sendbuf.dtype is entry.dtype
-                                    and sendbuf.shape == recvbuf.shape)) \
-            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
-        if check and not entry.fused:  # a fused entry's run checks the arguments itself
-            entry.agree(timeout)
-        if timeout is None:
-            direct = entry.direct
-            if direct is not None:
-                direct(*entry.args)
-                return recvbuf
-        elif entry.timed is not None:  # (the timeout checked above)
-            entry.timed(timeout)
-            return recvbuf
-        return entry.run(timeout)
-    if entry is None and timeout is None and type(recvbuf) is np.ndarray:
+    if timeout is None and type(recvbuf) is np.ndarray:
         # a call with fresh arrays (a new np.array([dot]) per call): known by its shape
         shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
                                             params))
@@ -137,15 +103,10 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
         checks_itself=_plans.checks_itself)
     if call.recv.size == 0:
         return call.recv
-    if key is None:  # not looked up (no entry held recvbuf), or LAST's with a new dtype
-        key = (id(comm), id(sendbuf), id(recvbuf), id(op), algorithm, id(topology),
-               tuple(params.items()) if params else ())
-        try:
-            hash(key)
-        except TypeError:  # a parameter value that cannot be hashed: no caching
-            key = None
     # a result made here is remembered by its shape only: the cache holds no caller's arrays
-    cache = key is not None and allocated is None and _plans.cacheable(sendbuf, recvbuf, call)
+    key = None if allocated is not None else _plans.call_key(slot, comm, sendbuf, op, algorithm,
+                                                             topology, params)
+    cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
     return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
                            cache, timeout, allocated=allocated is not None)
 

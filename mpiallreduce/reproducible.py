@@ -65,7 +65,6 @@ from mpi4py import MPI
 from . import _exact, _plans, shm
 from ._agree import FIELDS, Signature, agree, bad_signature, prepare
 from ._checks import ALGORITHMS, allreduce_call
-from ._state import CALLS, LAST
 from ._state import state as comm_state
 from .executor import _PlanBase, flat
 from .ops import DTYPES, OP_NAMES, exact_sum, reducer
@@ -98,7 +97,6 @@ FORMATS = {np.dtype(np.float64): _Format(np.float64, 2, 53, 11, -1074),
            np.dtype(np.float32): _Format(np.float32, 1, 24, 8, -149)}
 #: index of a float64's top 16 bits among its four
 _TOP64 = FORMATS[np.dtype(np.float64)].top
-_WORLD = MPI.COMM_WORLD
 _REAL = {np.dtype(np.complex128): np.dtype(np.float64),
          np.dtype(np.complex64): np.dtype(np.float32)}
 
@@ -614,40 +612,40 @@ def _checks_itself(agreed, state) -> bool:
             and _plans.checks_itself(call, state))
 
 
-class _Entry:
-    """A one-shot reproducible plan kept in the communicator's call cache (``_state.CallCache``),
-    with its call's signature packed for the agreement check (see :mod:`._agree`)."""
+class _Entry(_plans.BoundCall):
+    """A one-shot reproducible plan kept in the communicator's call cache
+    (:class:`._plans.BoundCall`), with its call's signature (reproducible marked) packed for the
+    agreement check. The check carries a one-value plan's bits where it runs over shared memory
+    (``carried``: every rank's, for the run that follows)."""
 
-    __slots__ = ("plan", "objects", "algorithm", "params", "dtype", "in_place", "nbytes", "state",
-                 "signatures", "direct")
+    __slots__ = ("plan", "carried")
 
-    def __init__(self, plan: ReproduciblePlan, objects: tuple, call, state):
-        self.plan, self.objects, self.state = plan, objects, state
-        self.algorithm, self.params = call.algorithm, call.params  # as requested
-        self.dtype, self.in_place = call.recv.dtype, call.send is None
-        agreed = _Agreed(call)
-        self.signatures = (Signature(agreed.signature(None)), Signature(agreed.signature(1.0)))
+    def __init__(self, plan: ReproduciblePlan, call, state, objects: tuple):
+        super().__init__(call, state, objects, _Agreed(call).signature)
+        self.plan, self.carried = plan, None
         self.nbytes = plan.nbytes
-        # a fused plan's shm run without deadline and without the plan's own checks (the
-        # cache drops the entry before its plan is freed or its communicator breaks)
-        self.direct = plan._inner.direct if plan.fused else None
+        self.fused = plan.fused  # the run checks the arguments itself
+        self.result = plan.recvbuf
+        if plan.fused:
+            # the shm run without deadline and without the plan's own checks (the cache drops
+            # the entry before its plan is freed or its communicator breaks)
+            self.direct, self.args = plan._inner.direct, ()
 
-    def run(self, check_args: bool, timeout: float | None) -> np.ndarray:
-        """Agree (when ``check_args``: the one constant-size check every call makes, so a rank
-        whose call differs gets the same error as the others) and run."""
+    def agree(self, timeout) -> None:
+        """The agreement of a repeated call, carrying this rank's bits where it runs over
+        shared memory (the one constant-size check every call makes, so a rank whose call
+        differs gets the same error as the others)."""
+        signature = self.signatures[timeout is not None]
+        signature.shm[-1] = self.plan.carry_word()
+        signature.carried = None
+        _plans.BoundCall.agree(self, timeout)
+        self.carried = signature.carried
+
+    def run(self, timeout: float | None) -> np.ndarray:
+        carried, self.carried = self.carried, None
         plan = self.plan
-        if plan.fused:  # the run checks the arguments itself
-            if timeout is None:
-                self.direct()
-                return plan.recvbuf
-        elif check_args:
-            state, signature = self.state, self.signatures[timeout is not None]
-            signature.shm[-1] = plan.carry_word()  # carried where the check runs over shm
-            signature.carried = None
-            agree(state.checker, "allreduce", signature, None, ALGORITHMS, timeout,
-                  state.mark_broken)
-            if signature.carried is not None and plan.carries:
-                return plan.run_carried(signature.carried, timeout)
+        if carried is not None and plan.carries:
+            return plan.run_carried(carried, timeout)
         return plan.run(timeout)
 
     def free(self) -> None:
@@ -658,36 +656,18 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
     """``mpiallreduce.allreduce(..., reproducible=True)``: a plan bound once per set of arrays.
 
     A repeated call with the same arrays (and communicator, op, algorithm, topology and
-    parameters) skips the local checks and the binding, as plain calls do.
+    parameters) skips the local checks and the binding, as plain calls do: both go through
+    :func:`._plans.cached_call`.
     """
-    if comm is None:
-        comm = _WORLD
-    # the hot path of a repeated call, as mpiallreduce.allreduce's: the entry last bound to
-    # recvbuf, verified object by object (it holds them alive: equal ids are the same objects)
-    entry = LAST.get(("reproducible", id(recvbuf)))
-    if entry is not None and entry.objects[1] is sendbuf and entry.objects[0] is comm \
-            and entry.objects[3] is op and entry.algorithm == algorithm \
-            and entry.objects[4] is topology and entry.params == params \
-            and recvbuf.dtype is entry.dtype and (entry.in_place or sendbuf.dtype is entry.dtype) \
-            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
-        return entry.run(check_args, timeout)
-    key = None
-    if isinstance(recvbuf, np.ndarray) and (sendbuf is MPI.IN_PLACE
-                                            or isinstance(sendbuf, np.ndarray)):
-        # key[2] is what CallCache files under LAST: never an int, so never a plain call's
-        key = ("reproducible", id(comm), ("reproducible", id(recvbuf)), id(sendbuf), id(op),
-               algorithm, id(topology), tuple(sorted(params.items())))
-        try:
-            entry = CALLS.get(key)
-        except TypeError:  # a parameter value that cannot be hashed: no caching
-            entry = key = None
-        # the entry holds the objects of its key alive, so equal ids are the same objects
-        if entry is not None and recvbuf.dtype is entry.dtype \
-                and (entry.in_place or sendbuf.dtype is entry.dtype) \
-                and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
-            return entry.run(check_args, timeout)
-    # a one-value call's value rides in the check, as a cached call's does (_Entry.run): ranks
-    # whose caches differ still run alike
+    return _plans.cached_call("reproducible", _bind, sendbuf, recvbuf, op, comm, algorithm,
+                              topology, check_args, timeout, params)
+
+
+def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeout, params):
+    """A reproducible allreduce the call cache does not hold (:func:`._plans.cached_call`,
+    whose arguments these are): checked, bound, run and kept."""
+    # a one-value call's value rides in the check, as a cached call's does (_Entry.agree):
+    # ranks whose caches differ still run alike
     carry = _Carry()
     call = _prepare("allreduce", sendbuf, recvbuf, op, comm, algorithm, topology, check_args,
                     timeout, params, carry)
@@ -703,8 +683,9 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
             return bound.run_carried(carry.words, timeout)
         return bound.run(timeout)
 
-    if key is not None and state.calls.put(
-            key, _Entry(bound, (call.comm, sendbuf, recvbuf, op, topology), call, state)):
+    key = _plans.call_key(slot, comm, sendbuf, op, algorithm, topology, params)
+    if key is not None and _plans.cacheable(sendbuf, recvbuf, call) and state.calls.put(
+            key, _Entry(bound, call, state, (comm, sendbuf, recvbuf, op, topology))):
         return run()
     try:
         return run()

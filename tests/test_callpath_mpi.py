@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import re
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -24,7 +25,8 @@ from conftest import (
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _agree, _checks, _plans, _state, ops
+from mpiallreduce import _agree, _checks, _plans, _state, ops, shm
+from mpiallreduce.topology import RANKS_PER_NODE_ENV
 
 pytestmark = pytest.mark.mpi
 
@@ -587,6 +589,100 @@ def test_a_numpy_timeout_finds_the_cached_plan(comm, monkeypatch, timeout):
         mar.allreduce(x, out, comm=comm, algorithm="ring", timeout=timeout)
         assert_matches_native(comm, x, out, MPI.SUM)
     assert slow == []
+
+
+#: the entry points that keep what a call bound (each through _plans.cached_call): the call,
+#: waited for, returning its result
+KEPT = {
+    "allreduce": lambda x, out, **kw: mar.allreduce(x, out, **kw),
+    "iallreduce": lambda x, out, **kw: mar.iallreduce(x, out, **kw).wait(),
+    "reproducible": lambda x, out, **kw: mar.allreduce(x, out, reproducible=True, **kw),
+}
+
+
+@pytest.mark.parametrize("timeout", [None, 30, np.float64(30.0)])
+@pytest.mark.parametrize("entry_point", list(KEPT))
+def test_every_entry_point_finds_its_cached_call_alike(comm, entry_point, timeout):
+    # issue 34, item 4: three copies of the lookup had drifted (reproducible's skipped the
+    # NumPy timeout's conversion and sorted the parameters in its key)
+    call = KEPT[entry_point]
+    x = contribution(comm, 9, "float64")
+    out = np.empty_like(x)
+    call(x, out, comm=comm, algorithm="knomial", timeout=timeout, k=2)
+    entries = dict(_state.existing(comm).calls.entries)
+    assert len(entries) == 1
+    ((key, entry),) = entries.items()
+    assert key == _plans.call_key(key[2], comm, x, MPI.SUM, "knomial", None, {"k": 2})
+    assert key[2] == (id(out) if entry_point == "allreduce" else (entry_point, id(out)))
+    assert _state.LAST[key[2]] is entry
+    for seed in (1, 2, 3):
+        x[:] = contribution(comm, 9, "float64", seed=seed)
+        out.fill(np.nan)
+        assert call(x, out, comm=comm, algorithm="knomial", timeout=timeout, k=2) is out
+        assert_matches_native(comm, x, out, MPI.SUM)
+    assert dict(_state.existing(comm).calls.entries) == entries
+
+
+#: seconds past a timeout that only a hang exceeds (no speed is measured here)
+HANG = 120.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("count", [1, 64])
+@pytest.mark.parametrize("per_node", ["1", ""], ids=["nodes_of_one_rank", "one_node"])
+@pytest.mark.parametrize("entry_point", list(KEPT))
+def test_a_repeated_call_whose_peer_never_comes_times_out(monkeypatch, entry_point, per_node,
+                                                          count):
+    """A cached call honours ``timeout=`` as a first call does, on every entry point: the last
+    rank skips the third call and the others raise CollectiveTimeout (across nodes, the
+    reproducible one raised AssertionError "fail() must raise": issue 34, item 4). The skipper
+    waits in a barrier the others reach once they have timed out, then joins the argument check
+    they abandoned (where they waited in one; on one node they wait on shared memory), so the
+    world is clean afterwards."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, per_node)  # read when comm's topology is discovered
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)  # the skipper's close of the node, after
+    call = KEPT[entry_point]
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    skipper = comm.size - 1
+    x = np.arange(count, dtype=np.float64) + comm.rank
+    out = np.empty_like(x)
+    want = np.arange(count, dtype=np.float64) * comm.size + comm.size * (comm.size - 1) // 2
+    for _ in range(2):  # the first call binds, the second runs the cached entry
+        assert np.array_equal(call(x, out, comm=comm, timeout=HANG), want)
+    world.Barrier()  # everyone starts together, so only the skipper is late
+    outcome = None
+    if comm.rank != skipper:
+        start = time.monotonic()
+        try:
+            call(x, out, comm=comm, timeout=TIMEOUT)
+            outcome = "returned"
+        except Exception as exc:  # every rank's outcome is gathered before asserting
+            outcome = f"{type(exc).__name__} after {time.monotonic() - start:.2f} s: {exc}"
+    world.Barrier()  # the skipper waits here until every other rank has timed out
+    state = _state.existing(comm)
+    pending = world.allgather(len(state.stale) if comm.rank != skipper else 0)
+    if any(pending):  # an argument check left in flight: the skipper joins it
+        if comm.rank == skipper:
+            fields = 2 * len(_agree.FIELDS)
+            state.checker.Iallreduce(np.zeros(fields, np.int64), np.empty(fields, np.int64),
+                                     MPI.MAX).Wait()
+        else:
+            MPI.Request.Waitall(state.stale)
+            state.stale.clear()
+    refused = None
+    if comm.rank != skipper:
+        try:
+            call(x, out, comm=comm)
+        except ValueError as exc:
+            refused = str(exc)
+    outcomes, refusals = world.allgather(outcome), world.allgather(refused)
+    comm.Free()
+    for rank in range(skipper):
+        assert outcomes[rank].startswith("CollectiveTimeout"), (rank, outcomes[rank])
+        elapsed = float(outcomes[rank].split()[2])
+        assert TIMEOUT <= elapsed < TIMEOUT + HANG, (rank, outcomes[rank])
+        assert "an earlier collective on this communicator timed out" in refusals[rank]
 
 
 @pytest.mark.parametrize("algorithm", ["native", "ring"])
