@@ -518,15 +518,6 @@ class Shape(_Known):
             self.plan.free()
 
 
-def find(key: tuple) -> tuple:
-    """``(key, entry)``: the call cache's entry for ``key`` (None if there is none), and
-    ``key`` itself, or None for both where a parameter value cannot be hashed (not cached)."""
-    try:
-        return key, CALLS.get(key)
-    except TypeError:
-        return None, None
-
-
 def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:
     """Would :func:`._checks.allreduce_call` accept these arrays as they are (C-contiguous,
     writable result, same shape, not overlapping), given the dtype and size already match?"""

@@ -56,14 +56,14 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plans
-from ._agree import Signature, prepare
-from ._checks import allreduce_call, plain_timeout
-from ._state import LAST
+from ._agree import prepare
+from ._checks import allreduce_call
 from ._state import state as comm_state
 from .errors import CollectiveTimeout
 from .executor import (
     BUSY_TESTS,
     MAX_MESSAGE,
+    MPI_CANNOT_SAY,
     NativePlan,
     Plan,
     _PlanBase,
@@ -72,10 +72,9 @@ from .executor import (
     flat,
     patience,
     poll,
+    unanswered,
 )
 from .partition import segments
-
-_WORLD = MPI.COMM_WORLD
 
 #: longest pause (seconds) of the progress thread between polls while runs are in flight.
 PAUSE_MAX = 1e-3
@@ -149,8 +148,8 @@ class Request:
                 check_timeout(timeout)
                 if not self._progress(time.monotonic() + timeout, block=True):
                     raise CollectiveTimeout(
-                        f"request not complete within {timeout:g} s; it is still in flight (a "
-                        f"rank has not made the matching call, or is slow): wait again, or Abort")
+                        f"request not complete within {timeout:g} s; it is still in flight: "
+                        f"{work.waits_for()}; wait again, or Abort")
         if self._error is not None:
             raise self._error
         return self._result
@@ -266,7 +265,11 @@ class _NativeWork:
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.fail(f"{self.where()}: not complete within {self.timeout:g} s (a rank did not "
                       f"make this call, or ranks run calls on this communicator in different "
-                      f"orders; MPI does not say which rank is missing)", self.requests)
+                      f"orders; {MPI_CANNOT_SAY})", self.requests)
+
+    def waits_for(self) -> str:
+        """What the requests wait for, as a ``wait(timeout)`` that passed says it."""
+        return f"{self.where()}: a rank has not made the matching call, or is slow ({MPI_CANNOT_SAY})"
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -397,6 +400,20 @@ class _Run(Request):
         if self.finished and self.error is not None:
             raise self.error
         return self.finished
+
+    def waits_for(self) -> str:
+        """What the run waits for, naming the peers, as a ``wait(timeout)`` that passed says it
+        (the caller's thread; builds nothing until a wait has timed out)."""
+        plan = self.plan
+        with self.engine.lock:  # the progress thread may be advancing the run
+            if self.finished or self.requests is None:
+                return f"{plan._label} on rank {plan.comm.Get_rank()} has just completed"
+            index, not_sent, not_received = plan.stalled(self.requests, self.bound)
+        if not not_sent and not not_received:
+            return (f"{plan._label} on rank {plan.comm.Get_rank()} waits in step {index}, whose "
+                    f"messages have just arrived")
+        return (f"{plan._label} on rank {plan.comm.Get_rank()} waits in step {index}: "
+                f"{unanswered(index, not_sent, not_received, 'the matching call', slow=True)}")
 
     def _check_deadline(self) -> None:
         """Past the run's own deadline: abandon it (engine lock held, caller's thread)."""
@@ -550,40 +567,15 @@ def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
     first call set up (the agreement's signature, MPI's arguments or the bound plan, in the
     communicator's call cache) and costs the agreement (if ``check``) and the start.
     """
-    if comm is None:
-        comm = _WORLD
-    if timeout is not None and type(timeout) not in (int, float):
-        timeout = plain_timeout(timeout)
     if _DROPPED:
         _tidy()
-    # the hot path of a repeated call, kept flat as allreduce's: the entry last bound to recvbuf
-    # (LAST, by key[2] of the call key below), verified object by object
-    key = None
-    entry = LAST.get(("iallreduce", id(recvbuf)))
-    if entry is not None:
-        objects = entry.objects
-        if objects[1] is not sendbuf or objects[3] is not op or objects[0] is not comm \
-                or objects[4] is not topology or entry.algorithm != algorithm \
-                or entry.params != params:
-            entry = None
-    if entry is None:
-        # found by the identity of the objects (the entry holds them alive: equal ids are the
-        # same objects), as one-shot blocking calls find theirs; key[2] keeps it out of their LAST
-        key, entry = _plans.find((id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op),
-                                  algorithm, id(topology),
-                                  tuple(params.items()) if params else ()))
-    # (the entry serves these arrays and this timeout, as allreduce tests it inline: the dtypes
-    # it was bound to, the same shape out of place, a valid timeout; a call costs ~0.15 us)
-    if entry is not None and recvbuf.dtype is entry.dtype \
-            and (entry.in_place or (sendbuf.dtype is entry.dtype
-                                    and sendbuf.shape == recvbuf.shape)) \
-            and (timeout is None or (type(timeout) in (int, float) and timeout > 0)):
-        if check and not entry.fused:  # a fused entry's run (shm) checks the arguments itself
-            entry.agree(timeout)
-        return entry.start(timeout)
-    if key is None and entry is not None:  # LAST's entry, with a new dtype: bind again
-        key = (id(comm), id(sendbuf), ("iallreduce", id(recvbuf)), id(op), algorithm,
-               id(topology), tuple(params.items()) if params else ())
+    return _plans.cached_call("iallreduce", _bind, sendbuf, recvbuf, op, comm, algorithm,
+                              topology, check, timeout, params)
+
+
+def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params):
+    """An iallreduce the call cache does not hold (:func:`._plans.cached_call`, whose arguments
+    these are): checked, set up (kept where it can be) and started."""
     call = prepare("iallreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
         checks_itself=_plans.checks_itself)
@@ -592,13 +584,15 @@ def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
     state = comm_state(call.comm)
     deadline = None if timeout is None else time.monotonic() + timeout
     entry = _Started(call, state, (comm, sendbuf, recvbuf, op, topology), deadline)
+    key = _plans.call_key(slot, comm, sendbuf, op, algorithm, topology, params)
     if key is not None and _plans.cacheable(sendbuf, recvbuf, call) and state.calls.put(key, entry):
-        return entry.start(timeout)
-    return entry.start(timeout, once=True)
+        return entry.run(timeout)
+    return entry.run(timeout, once=True)
 
 
-class _Started(_plans._Known):
-    """What an ``iallreduce`` sets up, kept for the next call with the same objects.
+class _Started(_plans.BoundCall):
+    """What an ``iallreduce`` sets up, kept for the next call with the same objects
+    (:class:`._plans.BoundCall`: ``run`` starts one).
 
     Three kinds, by what the call resolves to (the same on every rank):
 
@@ -612,18 +606,14 @@ class _Started(_plans._Known):
     - a plan without steps (the shared-memory transport): it runs whole at the start.
     """
 
-    __slots__ = ("state", "objects", "algorithm", "params", "dtype", "in_place", "signatures",
-                 "nbytes", "call", "plan", "pieces", "iallreduce", "nranks", "average", "recv",
-                 "fused", "work", "done", "lean")
+    __slots__ = ("call", "plan", "pieces", "iallreduce", "nranks", "average", "recv", "work",
+                 "lean")
     what = "iallreduce"
 
     def __init__(self, call, state, objects: tuple, deadline: float | None):
-        self.state, self.objects, self.call = state, objects, call
-        self.algorithm, self.params = call.algorithm, call.params  # as requested
-        self.dtype = call.recv.dtype
-        self.in_place = call.send is None
+        super().__init__(call, state, objects)
+        self.call = call
         self.recv = call.recv
-        self.signatures = (Signature(call.signature(None)), Signature(call.signature(1.0)))
         self.nranks = state.private.Get_size()
         self.average = call.reducer.average
         self.plan = self.pieces = self.iallreduce = self.work = None
@@ -647,15 +637,19 @@ class _Started(_plans._Known):
         self.nbytes = call.recv.nbytes + send_bytes + (0 if self.plan is None else self.plan.nbytes)
         # an shm plan's run compares the agreement's fields itself (as a blocking call's does)
         self.fused = self.plan is not None and _plans.fused(self.plan)
-        # what a cached shm run (whole at the start) returns: one complete request
-        self.done = Request(self.recv) if self.fused else None
+        self.result = None
+        if self.fused:
+            # a cached shm plan's run without the checks of run() (the call cache drops the
+            # entry before its plan is freed or its communicator breaks), as allreduce's: whole
+            # at the start, so the call returns one complete request
+            self.direct, self.args, self.result = self.plan.direct, (), Request(self.recv)
         # a schedule: whether a start without deadline may post from a flat program
         # (_start_lean: untraced, one step at least); None: no steps to progress
         self.lean = None
         if self.plan is not None and hasattr(self.plan, "steps"):
             self.lean = self.plan._phase is _untraced and bool(self.plan._program)
 
-    def start(self, timeout: float | None, once: bool = False) -> Request:
+    def run(self, timeout: float | None, once: bool = False) -> Request:
         """Start one run; ``once``: the entry is not kept (its plan is freed after the run)."""
         pieces = self.pieces
         if pieces is not None:
@@ -679,11 +673,6 @@ class _Started(_plans._Known):
             return Request(self.recv, work, self.finish if self.average else None)
         plan = self.plan
         if self.lean is None:  # no steps of its own: runs whole now, in call order
-            if timeout is None and self.fused and not once:
-                # a cached shm plan's run without the checks of run() (the call cache drops the
-                # entry before its plan is freed or its communicator breaks), as allreduce's
-                plan.direct()
-                return self.done
             return _schedule_request(plan, timeout, owned=once)
         tag_base = self.state.take_slot()  # on every rank, hit or miss (see the class docstring)
         if timeout is None and self.lean and not once and plan._in_flight is None:
