@@ -133,9 +133,8 @@ def test_a_result_allocated_per_call_is_not_cached(comm):
 
 @pytest.mark.parametrize("algorithm", ["auto", "native", "ring", "recursive_doubling", "shm"])
 def test_a_result_left_to_mpiallreduce_is_known_by_its_shape(comm, monkeypatch, algorithm):
-    """``total = mar.allreduce(local)``: from the second call the call's shape runs it (before,
-    every call was set up from scratch, ~200 us at 8 bytes against 2 us), into a new array each
-    time, none of them held by the cache."""
+    """``total = mar.allreduce(local)``: from the second call the call's shape runs it instead
+    of a set-up from scratch, into a new array each time, none of them held by the cache."""
     slow = []
     real = _plans.one_shot
     monkeypatch.setattr(_plans, "one_shot", lambda *a, **k: slow.append(1) or real(*a, **k))
