@@ -424,22 +424,29 @@ def test_a_skipped_request_names_the_peers(kind):
     comm.Free()
 
 
-def test_a_wait_that_times_out_names_the_peers_and_leaves_the_request_in_flight():
+def _a_wait_times_out(comm, algorithm: str) -> list:
+    """Every rank but the skipper starts an iallreduce and waits TIMEOUT on it; then the skipper
+    joins late, every request completes with the native result, and every rank gets the
+    waiting ranks' timeout messages (None for the skipper)."""
     world = MPI.COMM_WORLD
-    comm = _throwaway_comm()
     x = contribution(comm, COUNT, "float64")
     world.Barrier()
     message = None
     if comm.rank != SKIPPER:
-        request = mar.iallreduce(x, comm=comm, algorithm="ring", check=False)
+        request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
         with pytest.raises(mar.CollectiveTimeout) as info:
             request.wait(timeout=TIMEOUT)
         message = str(info.value)
     world.Barrier()  # the skipper calls only now: the others' requests complete
     if comm.rank == SKIPPER:
-        request = mar.iallreduce(x, comm=comm, algorithm="ring", check=False)
+        request = mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
     assert_matches_native(comm, x, request.wait(), MPI.SUM)
-    messages = world.allgather(message)
+    return world.allgather(message)
+
+
+def test_a_wait_that_times_out_names_the_peers_and_leaves_the_request_in_flight():
+    comm = _throwaway_comm()
+    messages = _a_wait_times_out(comm, "ring")
     waits = _waits(_schedule_of(comm, "ring", COUNT))
     for rank, message in enumerate(messages):
         if rank != SKIPPER:
@@ -452,22 +459,10 @@ def test_a_wait_that_times_out_names_the_peers_and_leaves_the_request_in_flight(
 
 
 def test_a_wait_on_mpis_own_collective_says_it_cannot_tell():
-    world = MPI.COMM_WORLD
     comm = _throwaway_comm()
     x = contribution(comm, COUNT, "float64")
     mar.iallreduce(x, comm=comm, algorithm="native").wait()  # its duplicate exists
-    world.Barrier()
-    message = None
-    if comm.rank != SKIPPER:
-        request = mar.iallreduce(x, comm=comm, algorithm="native", check=False)
-        with pytest.raises(mar.CollectiveTimeout) as info:
-            request.wait(timeout=TIMEOUT)
-        message = str(info.value)
-    world.Barrier()
-    if comm.rank == SKIPPER:
-        request = mar.iallreduce(x, comm=comm, algorithm="native", check=False)
-    assert_matches_native(comm, x, request.wait(), MPI.SUM)
-    for rank, told in enumerate(world.allgather(message)):
+    for rank, told in enumerate(_a_wait_times_out(comm, "native")):
         if rank != SKIPPER:
             assert told == (f"request not complete within {TIMEOUT:g} s; it is still in "
                             f"flight: native iallreduce on rank {rank}: a rank has not made the "
