@@ -52,13 +52,6 @@ STEP_TAGS = 4096
 MAX_MESSAGE = 1 << 30
 
 
-def __getattr__(name: str):
-    """``executor.TRACER``: the tracer registered in :mod:`._hooks` (``_hooks.tracer``), for
-    modules that still read it here (shm, shm_nodes); new code reads ``_hooks.tracer``."""
-    if name == "TRACER":
-        return _hooks.tracer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
 SINGLE_REQUESTS = 4
 

@@ -42,7 +42,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import executor
+from . import _hooks
 from ._waiting import meet
 from .errors import CollectiveTimeout
 from .executor import Plan, _PlanBase, flat
@@ -162,7 +162,7 @@ class NodesPlan(ShmPlan):
         self._owners = (owners, tuple(node.headers[q] for q in owners))
         self._leader = ((0,), (node.headers[0],))
         source = flat(call.send) if call.send is not None else result
-        tracer = executor.TRACER
+        tracer = _hooks.tracer
         if tracer is not None:  # tracing (.tracing): this plan's phases bound traced, now
             self._phase = tracer.marks(self, "shm", "nodes")
         self._programs = tuple(self._bind_nodes(parity, source, phase) for parity in (0, 1))

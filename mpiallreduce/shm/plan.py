@@ -12,7 +12,7 @@ from functools import partial
 
 import numpy as np
 
-from .. import executor
+from .. import _hooks
 from ..executor import _PlanBase, _untraced, flat
 from ..ops import DTYPES, exact_sum
 from . import protocol
@@ -128,9 +128,9 @@ class ShmPlan(_PlanBase):
         raise NotImplementedError  # pragma: no cover - ShmPlan runs only locally
 
     def _trace(self, regime: str, unit: str | None = None):
-        """Bind this plan's phases traced where a trace is on (:data:`.executor.TRACER`, see
+        """Bind this plan's phases traced where a trace is on (:data:`._hooks.tracer`, see
         :mod:`.tracing`), so that an untraced plan's runs never look; return the phase hook."""
-        tracer = executor.TRACER
+        tracer = _hooks.tracer
         if tracer is not None:
             self._phase = tracer.marks(self, "shm", regime, unit)
         stalls = protocol.STALLS  # the test hook (bound in, so a plan without it never looks)
