@@ -18,7 +18,8 @@ from ._checks import ALGORITHMS, Call, plain_timeout
 from ._state import CALLS, LAST, CommState
 from .algorithms.compose import check_intra
 from .algorithms.nodes import NODE_PHASED, node_phase
-from .executor import NativePlan, Plan, scratch_size
+from .executor import Plan, scratch_size
+from .native_plan import NativePlan
 from .ops import native_deviates
 
 #: most bytes the schedule cache holds (estimated at :data:`_MESSAGE_BYTES` per message).

@@ -16,7 +16,8 @@ from .._agree import prepare
 from .._checks import allreduce_call
 from .._state import state as comm_state
 from .._waiting import deadline_of
-from ..executor import MAX_MESSAGE, NativePlan, Plan, _untraced, flat
+from ..executor import MAX_MESSAGE, Plan, _untraced, flat
+from ..native_plan import NativePlan
 from ..partition import segments
 from .native import _DROPPED, _NativeWork, _tidy
 from .progress import _schedule_request, _start_lean
