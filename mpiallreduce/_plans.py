@@ -12,7 +12,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, select, shm, shm_nodes
+from . import _form, algorithms, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree
 from ._checks import ALGORITHMS, Call, plain_timeout
 from ._state import CALLS, LAST, CommState
@@ -579,3 +579,8 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
         state.calls.put_shape(
             shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
             Shape(call, state, (comm, op, topology), schedule=not native, fused=fused(plan)))
+
+
+if _form.compiled is not None:  # the compiled twin of cached_call (same results, same errors)
+    _form.compiled.install(LAST, CALLS, call_key, plain_timeout)
+    cached_call = _form.compiled.cached_call  # noqa: F811

@@ -1,0 +1,48 @@
+"""The compiled part of mpiallreduce (pyproject.toml holds everything else).
+
+``mpiallreduce/_compiled.pyx`` (the call path's per-call part and shm's small regime) is
+compiled with Cython and the system C compiler where both exist. It is optional: where the
+compiler is missing or fails, the install goes on with the pure-Python form, which is the
+reference (``python -m mpiallreduce`` says which form is active).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SOURCE = "mpiallreduce/_compiled.pyx"
+
+
+class optional_build_ext(build_ext):
+    """build_ext that, where an optional extension fails to build, says so once and goes on."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # no compiler, or it failed: the Python form stays
+            if not ext.optional:
+                raise
+            print(f"mpiallreduce: the compiled call path was not built ({exc}); installing the "
+                  f"pure-Python form", file=sys.stderr)
+
+
+def extensions() -> list:
+    try:
+        from Cython.Build import cythonize
+    except ImportError:  # built without build isolation and without Cython: Python form
+        print("mpiallreduce: Cython is not installed; installing the pure-Python form",
+              file=sys.stderr)
+        return []
+    # IEEE adds in the order written, as NumPy's ufuncs do (no fused multiply-add)
+    ext = Extension("mpiallreduce._compiled", [SOURCE], optional=True,
+                    extra_compile_args=["-O2", "-ffp-contract=off"])
+    try:
+        return cythonize([ext], compiler_directives={"language_level": 3}, quiet=True)
+    except Exception as exc:  # (a Cython too old or too new for the source)
+        print(f"mpiallreduce: Cython failed ({exc}); installing the pure-Python form",
+              file=sys.stderr)
+        return []
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": optional_build_ext})
