@@ -34,8 +34,12 @@ def extensions() -> list:
         print("mpiallreduce: Cython is not installed; installing the pure-Python form",
               file=sys.stderr)
         return []
+    import numpy
+
     # IEEE adds in the order written, as NumPy's ufuncs do (no fused multiply-add)
     ext = Extension("mpiallreduce._compiled", [SOURCE], optional=True,
+                    include_dirs=[numpy.get_include()],
+                    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
                     extra_compile_args=["-O2", "-ffp-contract=off"])
     try:
         return cythonize([ext], compiler_directives={"language_level": 3}, quiet=True)

@@ -19,6 +19,7 @@ an acquire load before its data (correct on any CPU; the fence ``sync`` of the P
 called as well where it is set, so both forms can share a node).
 """
 
+cimport numpy as cnp
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 
@@ -68,6 +69,36 @@ cdef inline double monotonic() noexcept nogil:
 
 # -- the call path (twin of _plans.cached_call) -----------------------------------------------------
 
+cnp.import_array()
+
+
+cdef class BoundFields:
+    """The fields of ``_plans.BoundCall`` that :func:`cached_call` reads on every call, as C
+    struct members (``BoundCall`` derives from this class in the compiled form; the Python
+    form keeps them in ``__slots__``). Their meaning: ``_plans.BoundCall``."""
+
+    cdef public object state, objects, algorithm, params, dtype, in_place, signatures, nbytes
+    cdef public object fused, direct, args, timed, result
+
+
+cdef inline bint same_shape(a, b):
+    """``a.shape == b.shape`` for two NumPy arrays."""
+    cdef int ndim = cnp.PyArray_NDIM(<cnp.ndarray>a), axis
+    if ndim != cnp.PyArray_NDIM(<cnp.ndarray>b):
+        return False
+    for axis in range(ndim):
+        if cnp.PyArray_DIMS(<cnp.ndarray>a)[axis] != cnp.PyArray_DIMS(<cnp.ndarray>b)[axis]:
+            return False
+    return True
+
+
+cdef inline object dtype_of(array):
+    """``array.dtype``, read from the struct where ``array`` is a NumPy array."""
+    if cnp.PyArray_Check(array):
+        return <object>cnp.PyArray_DESCR(<cnp.ndarray>array)
+    return array.dtype
+
+
 cdef object _WORLD = MPI.COMM_WORLD
 cdef dict _LAST = None
 cdef dict _CALLS = None
@@ -110,6 +141,7 @@ def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, che
 cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
                          timeout, dict params):
     cdef object slot, entry, objects, direct
+    cdef BoundFields e
     cdef type kind_of_timeout
     if comm is None:
         comm = _WORLD
@@ -120,33 +152,43 @@ cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topo
     slot = id(recvbuf) if kind is None else (kind, id(recvbuf))
     entry = _LAST.get(slot)  # the entry last bound to recvbuf, verified object by object
     if entry is not None:
-        objects = entry.objects
+        e = <BoundFields?>entry
+        objects = e.objects
         if (<tuple>objects)[1] is not sendbuf or (<tuple>objects)[3] is not op \
                 or (<tuple>objects)[0] is not comm or (<tuple>objects)[4] is not topology \
-                or entry.algorithm != algorithm or entry.params != params:
+                or (e.algorithm is not algorithm and e.algorithm != algorithm) \
+                or ((e.params or params) and e.params != params):
             entry = _CALLS.get(_call_key(slot, comm, sendbuf, op, algorithm, topology, params))
-        if entry is not None and recvbuf.dtype is entry.dtype \
-                and (entry.in_place or (sendbuf.dtype is entry.dtype
-                                        and sendbuf.shape == recvbuf.shape)) \
+            if entry is None:
+                return bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                            timeout, params)
+            e = <BoundFields?>entry
+        # (see _plans.cached_call: equal ids are the same objects while the entry holds them)
+        if dtype_of(recvbuf) is e.dtype \
+                and (e.in_place or (dtype_of(sendbuf) is e.dtype
+                                    and (same_shape(sendbuf, recvbuf)
+                                         if cnp.PyArray_Check(sendbuf)
+                                         and cnp.PyArray_Check(recvbuf)
+                                         else sendbuf.shape == recvbuf.shape))) \
                 and (timeout is None or ((type(timeout) is int or type(timeout) is float)
                                          and timeout > 0)):
-            if check and not entry.fused:  # a fused entry's run checks the arguments itself
+            if check and not e.fused:  # a fused entry's run checks the arguments itself
                 entry.agree(timeout)
             if timeout is None:
-                direct = entry.direct
+                direct = e.direct
                 if direct is not None:
                     if type(direct) is SmallRun:
                         (<SmallRun>direct).run(None)
                     else:
-                        direct(*entry.args)
-                    return entry.result
-            elif entry.timed is not None:  # (the timeout checked above)
-                direct = entry.timed
+                        direct(*e.args)
+                    return e.result
+            elif e.timed is not None:  # (the timeout checked above)
+                direct = e.timed
                 if type(direct) is SmallRun:
                     (<SmallRun>direct).run(timeout)
                 else:
                     direct(timeout)
-                return entry.result
+                return e.result
             return entry.run(timeout)
     return bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params)
 

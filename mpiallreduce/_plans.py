@@ -340,7 +340,7 @@ class _Known:
               timeout, state.fail)
 
 
-class BoundCall(_Known):
+class BoundCall(_Known, _form.compiled.BoundFields if _form.compiled is not None else object):
     """What the call cache keeps of a call for the next one with the same objects: all that
     :func:`cached_call` reads, whatever the entry point.
 
@@ -352,10 +352,12 @@ class BoundCall(_Known):
     first: ``direct(*args)`` without a deadline and ``timed(timeout)`` with one (each None where
     the call has no such form), after which the call returns ``result``; else ``run(timeout)``,
     which returns what the call returns. ``nbytes`` and ``free()`` are for the cache's bounds.
+    In the compiled form these fields are the C members of ``_compiled.BoundFields``.
     """
 
-    __slots__ = ("state", "objects", "algorithm", "params", "dtype", "in_place", "signatures",
-                 "nbytes", "fused", "direct", "args", "timed", "result")
+    __slots__ = () if _form.compiled is not None else (
+        "state", "objects", "algorithm", "params", "dtype", "in_place", "signatures", "nbytes",
+        "fused", "direct", "args", "timed", "result")
 
     def __init__(self, call: Call, state: CommState, objects: tuple, signature=None):
         """``signature(timeout)``: the fields the agreement compares (by default the call's)."""
