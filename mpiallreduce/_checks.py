@@ -65,7 +65,28 @@ def view(obj, name: str) -> np.ndarray:
     except Exception as exc:  # noqa: BLE001 - a foreign export may raise any kind
         failure = (f"{name}: NumPy cannot view this {type(obj).__name__} on the CPU (buffer "
                    f"protocol: {failure}; DLPack: {type(exc).__name__}: {exc})")
+    _refuse_tensor(obj, name)
     raise TypeError(failure)
+
+
+def _refuse_tensor(obj, name: str) -> None:
+    """Say what to do with a torch tensor DLPack could not hand over (without importing torch)."""
+    if not any(k.__name__ == "Tensor" and k.__module__ == "torch" for k in type(obj).__mro__):
+        return
+    if obj.device.type != "cpu":
+        raise TypeError(f"{name} is a torch tensor on {obj.device}; mpiallreduce reduces CPU "
+                        f"memory: pass {name}.cpu() and copy the result back (.copy_())")
+    if obj.requires_grad:
+        raise TypeError(f"{name} is a torch tensor that requires grad; pass {name}.detach() "
+                        f"(the same memory)")
+    if not obj.is_contiguous():
+        raise ValueError(f"{name} is a non-contiguous torch tensor (strides {obj.stride()}); "
+                         f"pass {name}.contiguous() and copy the result back (.copy_()), or "
+                         f"reduce the tensor it is a view of")
+    if str(obj.dtype) == "torch.bfloat16":
+        raise TypeError(f"{name} is a bfloat16 torch tensor, which has no MPI datatype; pass "
+                        f"{name}.float(), or reduce it with mar.torch's hooks (bfloat16 words, "
+                        f"float32 adds)")
 
 
 def as_array(obj, name: str, writable: bool) -> np.ndarray:

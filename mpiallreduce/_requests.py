@@ -8,6 +8,8 @@ Start over a plan (a persistent request, as ``MPI.Prequest``).
 
 from __future__ import annotations
 
+from . import _hooks
+
 
 class CommRequest:
     """mpi4py's request interface over an mpiallreduce request (``mar.iallreduce``).
@@ -65,7 +67,7 @@ class CommPrequest(CommRequest):
         super().__init__()
         self._plan = bound
         # mpiallreduce.start, as the plan's start() calls it (this request waits, not the plan)
-        self._starter = bound._starter
+        self._starter = _hooks.starter
 
     def Start(self) -> None:
         """Start the collective; the request must be inactive (waited for)."""

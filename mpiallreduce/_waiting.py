@@ -1,17 +1,34 @@
-"""Waiting for MPI requests with a deadline: the one polling loop of the package.
+"""Waiting with a deadline: the one wait loop and the one deadline of the package.
 
-``poll`` tests requests back to back, then at a backing-off pace (:func:`patience`) until a
-deadline; ``wait_or_fail`` turns a missed deadline into the caller's failure (the communicator
-marked unusable, CollectiveTimeout raised). ``check_timeout`` is the one check of a
-``timeout=`` argument. ``unanswered`` words what a timeout message says of the ranks a
-schedule's step waits for; :data:`MPI_CANNOT_SAY` what it says where MPI's own collective
-was waited for.
+The two helpers every wait of the package is written with (their names and signatures are
+stable):
+
+- ``deadline_of(timeout) -> float | None``: the ``time.monotonic()`` instant ``timeout``
+  seconds from now, None for None (no deadline).
+- ``wait_until(ready, deadline, on_timeout=None, *, spin=BUSY_TESTS,
+  yield_seconds=SPIN_SECONDS) -> bool``: call ``ready()`` until it returns true (then True):
+  ``spin`` times back to back, then giving the core away (``os.sched_yield``) between calls
+  for ``yield_seconds``, then sleeping from 50 µs doubling to 1 ms between calls, up to
+  ``deadline`` (None: forever). Past the deadline (``ready()`` asked once more) it calls
+  ``on_timeout()``, which raises (so a timeout's reason is built only on a timeout); without
+  ``on_timeout`` it returns False. Pass ``spin=0`` where ranks outnumber cores (a spinning
+  rank holds the core the rank it waits for needs): it then yields at once.
+
+``poll`` tests MPI requests with it; ``wait_or_fail`` turns a missed deadline into the caller's
+failure (the communicator marked unusable, CollectiveTimeout raised); ``meet`` is the one
+non-blocking barrier before a collective set-up step. ``patience`` is the pace of
+``wait_until`` as a generator (for loops that do more than one test per round).
+``check_timeout`` is the one check of a ``timeout=`` argument. ``unanswered`` words what a
+timeout message says of the ranks a schedule's step waits for; :data:`MPI_CANNOT_SAY` what it
+says where MPI's own collective was waited for.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 from mpi4py import MPI
 
@@ -38,9 +55,15 @@ def patience(deadline: float | None, spin: bool = True):
     it); then sleeps from 50 µs doubling to 1 ms between tests. A plain ``time.sleep`` of 1 µs
     sleeps ~60-90 µs on Linux, which made every short wait with a timeout that slow.
     """
+    return _pace(deadline, SPIN_SECONDS if spin else 0.0)
+
+
+def _pace(deadline: float | None, yield_seconds: float):
+    """:func:`patience` with ``yield_seconds`` of yielding before the sleeps."""
     now = time.monotonic()
-    if spin:
-        spin_until = now + SPIN_SECONDS if deadline is None else min(now + SPIN_SECONDS, deadline)
+    if yield_seconds > 0:
+        spin_until = (now + yield_seconds if deadline is None
+                      else min(now + yield_seconds, deadline))
         while now < spin_until:
             os.sched_yield()
             yield
@@ -53,20 +76,43 @@ def patience(deadline: float | None, spin: bool = True):
         now = time.monotonic()
 
 
-def poll(requests, deadline: float) -> bool:
+def deadline_of(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` instant ``timeout`` seconds from now; None for None."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def wait_until(ready: Callable[[], object], deadline: float | None,
+               on_timeout: Callable[[], NoReturn] | None = None, *, spin: int = BUSY_TESTS,
+               yield_seconds: float = SPIN_SECONDS) -> bool:
+    """Call ``ready()`` until it is true (True), or until ``deadline`` (time.monotonic; None:
+    never) passes: then ``on_timeout()`` (which raises), or False without one.
+
+    ``ready()`` is called ``spin`` times back to back (0 where ranks outnumber cores), then
+    between ``os.sched_yield`` calls for ``yield_seconds``, then between sleeps from 50 µs
+    doubling to 1 ms (the pace of :func:`patience`); once more after the deadline passed.
+    """
+    for _ in range(spin):
+        if ready():
+            return True
+    for _ in _pace(deadline, yield_seconds):
+        if ready():
+            return True
+    if ready():
+        return True
+    if on_timeout is not None:
+        on_timeout()
+        raise AssertionError("on_timeout() must raise")  # pragma: no cover
+    return False
+
+
+def poll(requests, deadline: float | None) -> bool:
     """Test ``requests`` until all complete (True) or ``deadline`` (time.monotonic) passes (False).
 
     Tests :data:`BUSY_TESTS` times back to back (a short collective completes within a few
-    tests), then at the pace of :func:`patience`.
+    tests), then at the pace of :func:`patience` (:func:`wait_until`).
     """
     testall = MPI.Request.Testall
-    for _ in range(BUSY_TESTS):
-        if testall(requests):
-            return True
-    for _ in patience(deadline):
-        if testall(requests):
-            return True
-    return testall(requests)
+    return wait_until(lambda: testall(requests), deadline)
 
 
 def wait_or_fail(requests, deadline: float, fail, reason) -> None:

@@ -15,6 +15,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
+from . import _hooks
 from ._binding import (  # noqa: F401 - flat and scratch_size are the package's names here too
     Layout,
     _BoundStep,
@@ -179,17 +180,14 @@ class _PlanBase:
             self._state.mark_broken(reason, list(pending), (self, *keep))
         raise CollectiveTimeout(f"{reason}; the plan is unusable now")
 
-    #: ``start(plan, timeout) -> Request``, attached by :mod:`mpiallreduce.nonblocking` (the
-    #: layer that owns progress), so that this transport layer imports nothing above it
-    _starter = None
-
     def start(self, timeout: float | None = None):
         """Start a run without waiting for it; return its :class:`mpiallreduce.Request`.
 
         Until the request completes, ``run()``, ``start()`` and ``free()`` raise ValueError (see
         :func:`mpiallreduce.start`); ``wait()`` on the request, or on the plan, returns the result.
         """
-        self._request = self._starter(self, timeout)
+        # (the starter is registered by .nonblocking, which owns progress: _hooks.set_starter)
+        self._request = _hooks.starter(self, timeout)
         return self._request
 
     def wait(self, timeout: float | None = None) -> np.ndarray:

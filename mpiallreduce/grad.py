@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from . import api, collectives
 from . import compression as codecs
+from ._checks import view
 from .compression import TopK
 from .nonblocking import start
 from .ops import AVG
@@ -104,7 +105,8 @@ class GradSync:
     def __init__(self, arrays, comm=None, op=AVG, algorithm="auto", bucket_bytes=BUCKET_BYTES,
                  compression=None, solo_bytes=SOLO_BYTES, overlap="auto"):
         self.comm = MPI.COMM_WORLD if comm is None else comm
-        self.arrays = [np.asarray(a) for a in arrays]
+        # views of the caller's memory (torch tensors too), never copies: results land there
+        self.arrays = [view(a, f"gradient {i}") for i, a in enumerate(arrays)]
         for i, array in enumerate(self.arrays):
             if not array.flags.c_contiguous or not array.flags.writeable:
                 raise ValueError(f"gradient {i} must be a writable C-contiguous array")

@@ -1,34 +1,50 @@
 """What ``algorithm="auto"`` picks for (p, bytes, op, topology).
 
-Where every rank is on one node, ``auto`` runs the shared-memory transport ``shm`` within the
-limits of :data:`SHM_RULES` (:func:`one_node_choice`). Elsewhere, an algorithm written in
-Python over point-to-point messages pays about 1 µs of interpreter time per step that MPI's
-native collective does not, so ``auto`` picks ``native`` unless a measured crossover says a
-schedule wins (docs/performance.md): from 32 MiB per rank,
-``ring_segmented`` beat Open MPI 5.0.11's own ``Allreduce`` by 1.6-3.4x at 2 to 4 ranks with
-every schedule faster than native there, and the narrower ranges of :data:`RULES`. Elsewhere
-the ratios straddle 1 and ``native`` stays. Re-measure with ``python -m mpiallreduce.bench``
-(or write a table with ``mpiallreduce.tune``) on another machine or MPI before trusting these
-thresholds there; ``algorithm=`` overrides them.
+The built-in rules are data: ``mpiallreduce/rules/builtin.json`` (format
+:data:`FORMAT`, loaded once by :func:`builtin`), one entry per rule with the measurement behind
+it (machine, date, command, the numbers), in the spirit of Open MPI's coll/tuned rules files.
+This module keeps the why of each kind of rule; the figures live in the file and in
+docs/performance.md.
+
+Kinds of rule, each a list where the first match decides:
+
+- ``one_node`` (:func:`one_node_choice`): where every rank is on one node, the shared-memory
+  transport ``shm`` sends no message and has no agreement round; a private message past some
+  size streams through memory and the pipelined ring, which moves fewer bytes, is as fast.
+  With more ranks than cores a waiting rank gives its core away, so there ``shm`` starts at
+  the setting ``shm_oversubscribed_bytes``.
+- ``schedule`` (:func:`choose`): elsewhere, an algorithm written in Python over point-to-point
+  messages pays interpreter time per step that MPI's native collective does not, so ``auto``
+  picks ``native`` unless a rule says a schedule measured faster in both modes; outside the
+  rules the ratios straddle 1 and ``native`` stays. Communicators larger than the setting
+  ``measured_ranks`` ask the cost model (:func:`model_choice`), which must predict a schedule
+  ``model_margin`` times faster than native.
+- ``persistent_native`` (:func:`persistent_native`): where the drop-in's ``Allreduce_init``
+  returns MPI's own persistent request instead of an ``shm`` plan.
+
+Re-measure (``python -m mpiallreduce.bench``, or write a table with ``mpiallreduce.tune``) on
+another machine or MPI before trusting these rules there; ``algorithm=`` overrides them.
 
 Measured tables. ``mpirun -n N python -m mpi4py -m mpiallreduce.tune`` measures every algorithm
-and native on this machine at N ranks and writes a decision table; :func:`choose` consults the
-table for the communicator size and op class (commutative or not) and falls back to the built-in
-rule above when there is none (above 8 ranks, where nothing was measured here, the cost
-model's prediction instead: :func:`model_choice`), or the file is missing or bad (a bad file gives one
-``RuntimeWarning`` and is ignored). The file is :func:`default_path`
-(``$XDG_CACHE_HOME/mpiallreduce/tuning.json``, ``~/.cache/...`` without it) unless
-``MPIALLREDUCE_TUNING=path`` names another; ``MPIALLREDUCE_TUNING=off`` ignores every table. It
-is read once per process and path (:func:`reload` forgets it). Format::
+and native on this machine at N ranks and writes a decision table in the same format
+(:data:`FORMAT`: a ``provenance`` entry per table); :func:`choose` consults the table for the
+communicator size and op class (commutative or not) and falls back to the built-in rules when
+there is none, or the file is missing or bad (a bad file gives one ``RuntimeWarning`` and is
+ignored). The file is :func:`default_path` (``$XDG_CACHE_HOME/mpiallreduce/tuning.json``,
+``~/.cache/...`` without it) unless ``MPIALLREDUCE_TUNING=path`` names another;
+``MPIALLREDUCE_TUNING=off`` ignores every table. It is read once per process and path
+(:func:`reload` forgets it). Format (files of the older ``mpiallreduce-tuning/1`` format, the
+same without ``provenance``, are read too)::
 
-    {"format": "mpiallreduce-tuning/1",
-     "tables": [{"nranks": 2, "mpi_library": "...", "date": "...", "repeats": 5,
+    {"format": "mpiallreduce-rules/1",
+     "provenance": {"tune-n2": {"machine": "...", "date": "...", "command": "...",
+                                "measured": {"commutative": {"8": {"native": 1.2, ...}}}}},
+     "tables": [{"nranks": 2, "provenance": "tune-n2",
                  "classes": {"commutative": [{"min_bytes": 0, "max_bytes": 65536,
                                               "algorithm": "native"},
                                              {"min_bytes": 65536, "max_bytes": null,
                                               "algorithm": "ring_segmented"}],
-                             "noncommutative": [...]},
-                 "medians_us": {...}}]}
+                             "noncommutative": [...]}}]}
 
 Ranges are half-open ``[min_bytes, max_bytes)`` in bytes per rank, sorted and contiguous from 0,
 the last open-ended; algorithms are registered names or ``native``, and the non-commutative
@@ -45,63 +61,150 @@ import json
 import os
 import warnings
 import zlib
+from dataclasses import dataclass
+from importlib import resources
 
 from . import algorithms
 from .ops import Reducer
 
-#: bytes per rank from which ``auto`` prefers the pipelined ring to native: there it beat Open
-#: MPI's default at 2 to 4 ranks, as every schedule did (docs/performance.md, "Performance").
-LARGE_MESSAGE_BYTES = 32 << 20
-#: further crossovers of the built-in rule, commutative ops only: (fewest ranks, most ranks,
-#: least bytes, most bytes (exclusive, None: no limit), algorithm). Each range is where the
-#: schedule beat Open MPI's default in every interleaved bench round both out of place and in
-#: place; outside them the margins straddle 1 and ``native`` stays (measured 2026-11-30,
-#: docs/performance.md "Performance").
-RULES = (
-    (2, 2, 16 << 10, 128 << 10, "recursive_doubling"),
-    (2, 2, 4 << 20, None, "ring_segmented"),
-    (3, 5, 2 << 10, 64 << 10, "knomial"),
-)
-#: communicator sizes (fewest, most) and bytes per rank (least, most (exclusive); None: no
-#: limit) where ``auto`` runs the shared-memory transport when every rank is on one node
-#: (:mod:`.shm`): it sends no message and has no agreement round. At 2 ranks it stops at
-#: 16 MiB: from there a private message streams through memory, and the pipelined ring, which
-#: moves fewer bytes, is as fast (docs/performance.md, "Where shm stops").
-SHM_RULES = ((2, 2, 0, 16 << 20), (3, 8, 0, None))
-#: the same, in place only: with no input to read beside the result, ``shm`` stays ahead of
-#: native and the pipelined ring up to 32 MiB at 2 ranks (docs/performance.md, "Where shm
-#: stops").
-SHM_IN_PLACE_RULES = ((2, 2, 16 << 20, 32 << 20),)
-#: with more ranks than cores (``os.cpu_count()``, the same on every rank of a node) a waiting
-#: rank gives its core away and a small call pays scheduler time slices, so there ``auto`` runs
-#: ``shm`` only from this many bytes (4 ranks on 2 cores: docs/performance.md, "Shared memory").
-SHM_OVERSUBSCRIBED_BYTES = 128 << 10
-#: On one node, out of place only: (fewest ranks, most ranks, least bytes, most bytes
-#: (exclusive), algorithm) where a schedule that reduces straight out of ``sendbuf`` beats
-#: ``shm``. Empty: at 2 ranks ``shm`` beat ``recursive_doubling`` at 16 KiB-2 MiB
-#: (docs/performance.md, "Where shm stops"); ``python -m mpiallreduce.tune`` measures yours.
-ONE_NODE_OUT_OF_PLACE_RULES: tuple = ()
-#: (fewest ranks, most ranks, most bytes (exclusive)) where the drop-in's ``Allreduce_init``
-#: (``mar.Comm``, ``algorithm="auto"``) returns MPI's own persistent request instead of a plan
-#: whose run would be ``shm``: below 4 KiB Open MPI 5's persistent allreduce keeps a fast path
-#: that the shm plan's Start + Wait does not reach (2 ranks, scripts/call_cost.py, 2026-12-01).
-PERSISTENT_NATIVE_RULES = ((2, 2, 4 << 10),)
-#: where native saturates 8/16-bit sums, ``auto`` runs recursive doubling below this many bytes
-#: per rank and the ring from here on (the results are modular either way).
-MODULAR_RING_BYTES = 1 << 16
-#: communicator sizes the crossover above was measured at; larger ones ask the cost model.
-MEASURED_RANKS = 8
-#: how much faster than native the cost model must predict a schedule before ``auto`` runs it
-#: where nothing was measured: the model came within +-25% of the bench in at best half of the
-#: rows here (docs/model.md), and its native is coll/tuned's flat table, while Open MPI with
-#: peers on other nodes runs coll/han, which it does not model.
-MODEL_MARGIN = 1.25
+#: the format tag of the rules file and of tune's tables, checked on load.
+FORMAT = "mpiallreduce-rules/1"
+#: the tag of tables written before rules became data (read too, without provenance).
+LEGACY_FORMAT = "mpiallreduce-tuning/1"
+#: rule kinds, modes and op classes a rule may name.
+KINDS = ("schedule", "one_node", "persistent_native")
+MODES = ("any", "in_place", "out_of_place")
+RULE_OPS = ("any", "commutative")
+#: settings the built-in file must give.
+SETTINGS = ("shm_oversubscribed_bytes", "modular_ring_bytes", "measured_ranks", "model_margin")
+PROVENANCE_FIELDS = ("machine", "date", "command", "measured")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: ``algorithm`` for ``low <= nranks <= high`` and ``least <= bytes < most``
+    (``most`` None: no limit), for ``op`` ("any" or "commutative") in ``mode``."""
+
+    kind: str
+    low: int
+    high: int
+    least: int
+    most: int | None
+    op: str
+    mode: str
+    algorithm: str
+    provenance: str
+
+    def covers(self, nranks: int, nbytes: int) -> bool:
+        return (self.low <= nranks <= self.high and self.least <= nbytes
+                and (self.most is None or nbytes < self.most))
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The parsed rules file: rules by kind (in file order), settings, provenance records."""
+
+    rules: dict
+    settings: dict
+    provenance: dict
+
+    def of(self, kind: str) -> tuple[Rule, ...]:
+        return self.rules.get(kind, ())
+
+
+def parse_rules(data) -> Rules:
+    """Check a loaded rules file; return its :class:`Rules`. Raises ValueError naming the
+    first problem."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} file")
+    provenance = _provenance(data)
+    by_kind: dict[str, list[Rule]] = {kind: [] for kind in KINDS}
+    for index, item in enumerate(data.get("rules", [])):
+        where = f"rule {index}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected an object")
+        kind, mode, op, name = (item.get(k) for k in ("kind", "mode", "op", "algorithm"))
+        if kind not in KINDS or mode not in MODES or op not in RULE_OPS:
+            raise ValueError(f"{where}: kind, mode and op must be one of {KINDS}, {MODES}, "
+                             f"{RULE_OPS}; got {kind!r}, {mode!r}, {op!r}")
+        ranks, sizes = item.get("nranks"), item.get("bytes")
+        if not (_pair(ranks) and ranks[1] is not None and 1 <= ranks[0] <= ranks[1]):
+            raise ValueError(f"{where}: nranks must be [fewest, most], got {ranks!r}")
+        if not (_pair(sizes) and sizes[0] >= 0 and (sizes[1] is None or sizes[1] > sizes[0])):
+            raise ValueError(f"{where}: bytes must be [least, most or null], got {sizes!r}")
+        if name not in ("native", "shm") and name not in algorithms.REGISTRY:
+            raise ValueError(f"{where}: unknown algorithm {name!r}")
+        if item.get("provenance") not in provenance:
+            raise ValueError(f"{where}: provenance {item.get('provenance')!r} is not an entry "
+                             f"of 'provenance'")
+        by_kind[kind].append(Rule(kind, *ranks, *sizes, op, mode, name, item["provenance"]))
+    settings = {}
+    for key, entry in data.get("settings", {}).items():
+        if not isinstance(entry, dict) or entry.get("provenance") not in provenance \
+                or isinstance(entry.get("value"), bool) \
+                or not isinstance(entry.get("value"), (int, float)):
+            raise ValueError(f"setting {key!r}: expected {{\"value\": number, \"provenance\": "
+                             f"an entry of 'provenance'}}")
+        settings[key] = entry["value"]
+    return Rules({kind: tuple(rules) for kind, rules in by_kind.items()}, settings, provenance)
+
+
+def _pair(value) -> bool:
+    return (isinstance(value, list) and len(value) == 2
+            and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                    for v in value) and value[0] is not None)
+
+
+def _provenance(data) -> dict:
+    records = data.get("provenance", {})
+    if not isinstance(records, dict):
+        raise ValueError("'provenance' must map names to records")
+    for key, record in records.items():
+        missing = [f for f in PROVENANCE_FIELDS if not isinstance(record, dict) or f not in record]
+        if missing:
+            raise ValueError(f"provenance {key!r} lacks {', '.join(missing)}")
+    return records
+
+
+@functools.lru_cache(maxsize=1)
+def builtin() -> Rules:
+    """Return the built-in rules (``mpiallreduce/rules/builtin.json``), loaded once."""
+    text = resources.files(__package__).joinpath("rules", "builtin.json").read_text("utf-8")
+    rules = parse_rules(json.loads(text))
+    missing = [key for key in SETTINGS if key not in rules.settings]
+    if missing:
+        raise ValueError(f"the built-in rules file lacks the settings {', '.join(missing)}")
+    return rules
+
+
+def _as_tuples(kind: str, mode: str | None = None) -> tuple:
+    return tuple((r.low, r.high, r.least, r.most, r.algorithm) for r in builtin().of(kind)
+                 if mode is None or r.mode == mode)
+
+
+# The module-level names below are views of the file, for readers and tests that name them.
+_SETTINGS = builtin().settings
+#: (fewest ranks, most ranks, least bytes, most bytes (exclusive, None: no limit), algorithm)
+#: of the ``schedule`` rules, commutative ops only.
+RULES = _as_tuples("schedule")
+#: bytes per rank from which every measured communicator size runs the pipelined ring: the
+#: least bytes of the last, open-ended ``schedule`` rule.
+LARGE_MESSAGE_BYTES = RULES[-1][2]
+#: the ``one_node`` rules for any mode, for in place only, for out of place only.
+SHM_RULES = tuple(rule[:4] for rule in _as_tuples("one_node", "any"))
+SHM_IN_PLACE_RULES = tuple(rule[:4] for rule in _as_tuples("one_node", "in_place"))
+ONE_NODE_OUT_OF_PLACE_RULES = _as_tuples("one_node", "out_of_place")
+SHM_OVERSUBSCRIBED_BYTES = int(_SETTINGS["shm_oversubscribed_bytes"])
+#: (fewest ranks, most ranks, most bytes (exclusive)) of the ``persistent_native`` rules.
+PERSISTENT_NATIVE_RULES = tuple((low, high, most)
+                                for low, high, _, most, _ in _as_tuples("persistent_native"))
+MODULAR_RING_BYTES = int(_SETTINGS["modular_ring_bytes"])
+MEASURED_RANKS = int(_SETTINGS["measured_ranks"])
+MODEL_MARGIN = float(_SETTINGS["model_margin"])
 
 
 #: the environment variable that names the table file ("off": use none).
 TUNING_ENV = "MPIALLREDUCE_TUNING"
-#: the file format tag, checked on load.
-FORMAT = "mpiallreduce-tuning/1"
 OP_CLASSES = ("commutative", "noncommutative")
 
 
@@ -120,12 +223,10 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None,
             return picked
     if nranks > MEASURED_RANKS:
         return model_choice(nranks, nbytes, reducer, topology)
-    if nranks > 1 and reducer.commutative:
-        for low, high, least, most, name in RULES:
-            if low <= nranks <= high and least <= nbytes and (most is None or nbytes < most):
-                return name
-        if nbytes >= LARGE_MESSAGE_BYTES:
-            return "ring_segmented"
+    if nranks > 1:
+        for rule in builtin().of("schedule"):
+            if (rule.op == "any" or reducer.commutative) and rule.covers(nranks, nbytes):
+                return rule.algorithm
     return "native"
 
 
@@ -142,16 +243,22 @@ def one_node_choice(nranks: int, nbytes: int, in_place: bool,
         return None
     if shared:
         in_place = True
-    if not in_place and commutative:
-        for low, high, least, most, name in ONE_NODE_OUT_OF_PLACE_RULES:
-            if low <= nranks <= high and least <= nbytes < most:
-                return name
+    mode = "in_place" if in_place else "out_of_place"
     oversubscribed = nranks > (os.cpu_count() or 1)
-    for low, high, least, most in SHM_RULES + (SHM_IN_PLACE_RULES if in_place else ()):
-        if oversubscribed:
-            least = max(least, SHM_OVERSUBSCRIBED_BYTES)
-        if low <= nranks <= high and least <= nbytes and (most is None or shared
-                                                          or nbytes < most):
+    # rules for this mode only come first (an out-of-place schedule beats shm there), then
+    # shm's: those for any mode, then in place's
+    ordered = sorted(builtin().of("one_node"), key=lambda rule: (rule.algorithm == "shm",
+                                                                 rule.mode != "any"))
+    for rule in ordered:
+        if rule.mode not in ("any", mode) or (rule.op == "commutative" and not commutative):
+            continue
+        if rule.algorithm != "shm":
+            if rule.covers(nranks, nbytes):
+                return rule.algorithm
+            continue
+        least = max(rule.least, SHM_OVERSUBSCRIBED_BYTES) if oversubscribed else rule.least
+        if rule.low <= nranks <= rule.high and least <= nbytes \
+                and (rule.most is None or shared or nbytes < rule.most):
             return "shm"
     return None
 
@@ -161,8 +268,7 @@ def persistent_native(nranks: int, nbytes: int) -> bool:
     ``shm`` (:data:`PERSISTENT_NATIVE_RULES`)? Not where a tuning table covers ``nranks``."""
     if nranks in tables():
         return False
-    return any(low <= nranks <= high and nbytes < most
-               for low, high, most in PERSISTENT_NATIVE_RULES)
+    return any(rule.covers(nranks, nbytes) for rule in builtin().of("persistent_native"))
 
 
 def shm_fits(nranks: int, nbytes: int, in_place: bool = True) -> bool:
@@ -273,8 +379,9 @@ def parse(data) -> dict[int, dict[str, tuple[tuple[int, int | None, str], ...]]]
 
     Raises ValueError naming the first problem.
     """
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in (FORMAT, LEGACY_FORMAT):
         raise ValueError(f"not a {FORMAT} file")
+    provenance = _provenance(data)
     entries = data.get("tables")
     if not isinstance(entries, list):
         raise ValueError("'tables' must be a list")
@@ -289,6 +396,9 @@ def parse(data) -> dict[int, dict[str, tuple[tuple[int, int | None, str], ...]]]
         if not isinstance(classes, dict) or set(classes) - set(OP_CLASSES):
             raise ValueError(f"nranks {nranks}: 'classes' must map {' and/or '.join(OP_CLASSES)} "
                              f"to ranges")
+        if "provenance" in entry and entry["provenance"] not in provenance:
+            raise ValueError(f"nranks {nranks}: provenance {entry['provenance']!r} is not an "
+                             f"entry of 'provenance'")
         parsed[nranks] = {op_class: _ranges(nranks, op_class, ranges)
                           for op_class, ranges in classes.items()}
     return parsed
@@ -322,23 +432,34 @@ def _ranges(nranks: int, op_class: str, ranges) -> tuple[tuple[int, int | None, 
     return tuple(checked)
 
 
-def write_table(path: str, table: dict) -> None:
+def write_table(path: str, table: dict, provenance: dict | None = None) -> None:
     """Write ``table`` (one communicator size) into the file at ``path``, replacing that size's
-    table and keeping the others; atomic (a reader sees the old file or the new one)."""
-    parse({"format": FORMAT, "tables": [table]})  # never write what choose would refuse
+    table and keeping the others; atomic (a reader sees the old file or the new one).
+
+    ``provenance``: the record (machine, date, command, measured) the table names as its
+    ``"provenance"``, kept under that name in the file's ``provenance`` map.
+    """
+    records = {}
+    if provenance is not None:
+        records[table["provenance"]] = provenance
+    # never write what choose would refuse
+    parse({"format": FORMAT, "provenance": records, "tables": [table]})
     tables_ = []
     try:
         with open(path, encoding="utf-8") as file:
             old = json.load(file)
         parse(old)
         tables_ = [t for t in old["tables"] if t["nranks"] != table["nranks"]]
+        kept = {t.get("provenance") for t in tables_}
+        records = {**{k: v for k, v in old.get("provenance", {}).items() if k in kept},
+                   **records}
     except (OSError, ValueError):
         pass  # no file, or one choose ignores anyway: start afresh
     tables_ = sorted([*tables_, table], key=lambda t: t["nranks"])
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = f"{path}.tmp{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as file:
-        json.dump({"format": FORMAT, "tables": tables_}, file, indent=1)
+        json.dump({"format": FORMAT, "provenance": records, "tables": tables_}, file, indent=1)
         file.write("\n")
     os.replace(temporary, path)
     reload()

@@ -12,7 +12,9 @@ range. Op classes: ``commutative`` is float64 SUM; ``noncommutative`` is a user 
 non-commutative (an elementwise add through ``MPI.Op.Create``, so native and the schedules pay
 the same user-op call), with only the order-keeping algorithms as candidates.
 
-Rank 0 writes the table (JSON, see :mod:`mpiallreduce.select` for the format) to ``--output``,
+Rank 0 writes the table (JSON in the format of the built-in rules, see :mod:`mpiallreduce.select`:
+the table names a provenance record with the machine, date, command and every median measured)
+to ``--output``,
 ``$MPIALLREDUCE_TUNING`` or :func:`mpiallreduce.select.default_path` (in that order), replacing
 the table of the same communicator size and keeping the others, so one file holds one table per
 size. Every rank that calls ``auto`` must read the same file (see :mod:`mpiallreduce.select`).
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import platform
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -130,8 +134,10 @@ def decide(sizes: list[int], medians: list[dict[str, float]]) -> list[dict]:
     return ranges
 
 
-def tune(comm, sizes: list[int], repeats: int, out=None) -> dict:
-    """Measure both op classes over ``sizes``; return this communicator size's table."""
+def tune(comm, sizes: list[int], repeats: int, out=None) -> tuple[dict, dict]:
+    """Measure both op classes over ``sizes``; return this communicator size's table and its
+    provenance record (machine, date, command, the medians measured), as
+    :func:`mpiallreduce.select.write_table` takes them."""
     out = sys.stdout if out is None else out
     classes, measured = {}, {}
     user_op = MPI.Op.Create(_add, commute=False)
@@ -151,14 +157,20 @@ def tune(comm, sizes: list[int], repeats: int, out=None) -> dict:
                                   for size, m in zip(sizes, medians)}
     finally:
         user_op.Free()
-    return {
-        "nranks": comm.size,
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "repeats": repeats,
-        "classes": classes,
-        "medians_us": measured,
+    library = MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    record = {
+        "machine": f"{platform.node()}, {os.cpu_count()} cores, {library}",
+        "date": date,
+        "command": f"mpirun -n {comm.size} python -m mpi4py -m mpiallreduce.tune --sizes "
+                   f"{human(sizes[0])}:{human(sizes[-1])} --repeats {repeats}",
+        "measured": {"unit": "median us per call over interleaved rounds, slowest rank, "
+                             "float64 (commutative: SUM; noncommutative: a user add)",
+                     "load": load, **measured},
     }
+    table = {"nranks": comm.size, "provenance": f"tune-n{comm.size}", "classes": classes}
+    return table, record
 
 
 def _parse_candidate(text: str) -> Candidate:
@@ -208,10 +220,10 @@ def main(argv=None, comm=None, out=None) -> int:
                     f"{c.label} {1e6 * times[c.label]:.1f}us ({times[c.label] / best:.2f})"
                     for c in cands if c.label in times), file=out, flush=True)
         return 0
-    table = tune(comm, sizes, args.repeats, out)
+    table, record = tune(comm, sizes, args.repeats, out)
     path = args.output or select.table_path() or select.default_path()
     if comm.rank == 0:
-        select.write_table(path, table)
+        select.write_table(path, table, record)
         print(f"# wrote the table for {comm.size} rank(s) to {path}", file=out, flush=True)
     comm.Barrier()  # the file is complete before any rank returns
     return 0

@@ -819,3 +819,84 @@ def test_model_choice_needs_the_margin_to_leave_native(monkeypatch):
             time=1.0 if name == "native" else t))
         assert select.model_choice(64, 4096, red) == expected
     select._model_choice.cache_clear()
+
+
+# -- layers: the model is pure prediction; calibration is a client above it ---------------------
+
+def test_the_model_imports_no_mpi_and_nothing_of_the_transport_or_above():
+    """Every import in model/ (top level and inside functions), but its ``__main__`` entry
+    point, which hands ``calibrate`` to the client mpiallreduce.calibrate."""
+    import ast
+    import pathlib
+
+    import mpiallreduce.model
+
+    forbidden = {"api", "executor", "shm", "calibrate", "tune", "collectives", "_plans",
+                 "_checks", "_state", "comm", "nonblocking", "select"}
+    found = []
+    for path in pathlib.Path(mpiallreduce.model.__file__).parent.glob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):  # absolute: mpi4py, mpiallreduce.x
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..x: the package
+                names = ["mpiallreduce." + (node.module or alias.name) for alias in node.names]
+            else:
+                continue  # from .x: inside model/
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "mpi4py" or (parts[0] == "mpiallreduce" and len(parts) > 1
+                                            and parts[1] in forbidden):
+                    found.append(f"{path.name}: {name}")
+    assert not found, found
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 8])
+def test_the_models_shm_sizes_are_the_transports(nranks):
+    from mpiallreduce.model import shm_layout
+    from mpiallreduce.shm import protocol
+
+    assert shm_layout.small_bytes(nranks) == protocol.small_bytes(nranks)
+    assert shm_layout.small_bytes(nranks, True) == protocol.small_bytes(nranks, True)
+    assert shm_layout.SMALL_BYTES == protocol.SMALL_BYTES
+    for nbytes in [1, 8, 4096, 1 << 20, (512 << 20) + 1, (1 << 30) + 77, 3 << 30]:
+        assert shm_layout.chunk_bytes(nbytes) == protocol.chunk_bytes(nbytes), nbytes
+
+
+def test_model_calibrate_is_handed_to_the_calibration_client(capsys):
+    from mpiallreduce.model.__main__ import main as entry
+
+    with pytest.raises(SystemExit) as exit_:
+        entry(["calibrate", "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "python -m mpiallreduce.model calibrate" in help_text and "--output" in help_text
+
+
+def test_a_machine_refits_from_its_measurements_without_mpi():
+    """machine_from is pure: the numbers of a quick calibration give the same terms again."""
+    from mpiallreduce.model import machine_from
+
+    measured = {
+        "pingpong_sizes": [1, 64, 4096, 65536], "pingpong_s": [2e-6, 2.1e-6, 4e-6, 2e-5],
+        "gamma": [["float32", 2e-10], ["float64", 2e-10], ["int32", 2e-10], ["int64", 2e-10]],
+        "gamma_curve": [[4096, 3e-10], [65536, 2e-10]], "copy": 1e-10,
+        "copy_curve": [[4096, 2e-10], [65536, 1e-10]],
+        "plan_run_s": {"chain": 6e-6, "exchange": 7e-6, "reducing": 9e-6,
+                       "reducing 1 step": 12e-6},
+        "allreduce_s": 3e-6, "node": [0, 0], "cores": 2, "shm_small_limit": 128 << 10,
+        "shm_run_s": {"8": 2e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
+        "hierarchical_shm_run_s": {"8": 3e-6, str(256 << 10): 9e-5},
+        "node_curve": [[4096, 2e10], [1 << 20, 1e10]], "node_bandwidth": 1e10,
+        "info": {"host": "h"}}
+    machine = machine_from(measured)
+    assert machine.intra.curve[0] == (1, 2e-6) and machine.cores == 2
+    assert machine.request == pytest.approx(1e-6) and machine.combine >= 0
+    assert machine.call == pytest.approx(3e-6)
+    assert min(machine.shm_small, machine.shm_large, machine.shm_peer, machine.native_call,
+               machine.phased_small, machine.phased_large) >= 0
+    assert machine.info["host"] == "h" and machine.info["measurements"]["cores"] == 2
+    assert machine_from(machine.info["measurements"]) == machine

@@ -1,4 +1,4 @@
-"""``model.calibrate`` under mpirun: every field it measures comes back on every rank, and the
+"""``mpiallreduce.calibrate`` under mpirun: every field it measures comes back on every rank, and the
 machine round-trips through its file (a quick calibration: few sizes, small buffers)."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
-from mpiallreduce.model import Machine, calibrate, predict
+from mpiallreduce.calibrate import calibrate
+from mpiallreduce.model import Machine, machine_from, predict
 from mpiallreduce.shm import small_bytes
 
 pytestmark = pytest.mark.mpi
@@ -42,3 +43,8 @@ def test_calibrate_measures_every_term_on_every_rank():
     assert comm.allgather(machine.to_dict()) == [machine.to_dict()] * comm.Get_size()
     assert Machine.from_dict(machine.to_dict()) == machine
     assert predict("ring", 2, 1 << 20, machine=machine).time > 0
+    # the file keeps the measurements: the same machine refits from them without MPI
+    refit = machine_from(machine.info["measurements"])
+    assert refit.to_dict()["intra"] == machine.to_dict()["intra"]
+    assert (refit.step, refit.shm_small, refit.native_call) == (
+        machine.step, machine.shm_small, machine.native_call)

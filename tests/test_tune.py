@@ -163,5 +163,31 @@ def test_tune_under_mpirun_writes_a_table_choose_reads(tmp_path):
     assert f"wrote the table for 2 rank(s) to {path}" in result.stdout
     tables = select.parse(json.loads(path.read_text()))
     assert set(tables[2]) == {"commutative", "noncommutative"}
-    assert set(json.loads(path.read_text())["tables"][0]["medians_us"]["commutative"]) == {
-        "8", "16", "32", "64"}
+    data = json.loads(path.read_text())
+    assert data["format"] == select.FORMAT  # the format of the built-in rules
+    record = data["provenance"][data["tables"][0]["provenance"]]
+    assert set(record) >= set(select.PROVENANCE_FIELDS)
+    assert "mpiallreduce.tune --sizes 8:64 --repeats 1" in record["command"]
+    assert set(record["measured"]["commutative"]) == {"8", "16", "32", "64"}
+
+
+def test_a_table_keeps_its_provenance_and_a_rewrite_drops_only_its_own(table_file):
+    record = {"machine": "m", "date": "d", "command": "c", "measured": {"commutative": {}}}
+    select.write_table(str(table_file), {**_table(nranks=2), "provenance": "tune-n2"}, record)
+    select.write_table(str(table_file), {**_table(nranks=4), "provenance": "tune-n4"},
+                       {**record, "machine": "other"})
+    data = json.loads(table_file.read_text())
+    assert data["provenance"] == {"tune-n2": record, "tune-n4": {**record, "machine": "other"}}
+    select.write_table(str(table_file), _table(nranks=4))  # no provenance: its record goes
+    assert json.loads(table_file.read_text())["provenance"] == {"tune-n2": record}
+    assert select.choose(2, 8, SUM) == "knomial"
+
+
+def test_a_table_of_the_older_format_is_still_read(table_file):
+    table_file.write_text(json.dumps({"format": select.LEGACY_FORMAT, "tables": [_table()]}))
+    assert select.choose(4, 8, SUM) == "knomial"
+
+
+def test_a_table_naming_a_missing_provenance_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="provenance 'x'"):
+        select.write_table(str(tmp_path / "t.json"), {**_table(), "provenance": "x"})

@@ -1,7 +1,8 @@
 """Alpha-beta-gamma cost model: time the schedules the executor runs, on a model machine.
 
     python -m mpiallreduce.model predict --ranks 4096 --ranks-per-node 8 --sizes 8:1G
-    mpirun -n 2 python -m mpi4py -m mpiallreduce.model calibrate -o machine.json
+    mpirun -n 2 python -m mpi4py -m mpiallreduce.model calibrate -o machine.json   # runs
+        # mpiallreduce.calibrate, a client above the model: the model itself runs no MPI
 
 The model (Hockney's alpha-beta with a reduction term, as in Thakur, Rabenseifner & Gropp 2005,
 plus a per-step interpreter term): a message of b bytes on a link costs α + bβ, with (α, β) of
@@ -43,12 +44,16 @@ block distribution; ``symmetric=False`` builds every rank (the tests compare bot
 
 Modules: ``machine`` (links, switches, cores, the built-in machine), ``programs`` (cost programs,
 the quotient by symmetry, the exact-path tables), ``simulate`` (the clocks), ``native`` (Open
-MPI's decision table), ``prediction`` (:func:`predict`, :func:`choose`), ``calibration``
-(:func:`calibrate`), ``cli`` (the command line and its plots).
+MPI's decision table), ``prediction`` (:func:`predict`, :func:`choose`), ``fit`` (a machine
+from measured numbers: :func:`fit_alpha_beta`, :func:`machine_from`), ``shm_layout`` (the
+shared-memory transport's regime sizes as the model describes them), ``cli`` (the command line
+and its plots). The package is pure prediction over schedules and machine files: it imports
+no MPI, and nothing of the layers above it or of the transport; what measures a machine is
+:mod:`mpiallreduce.calibrate`.
 """
 
-from .calibration import REPEATS, calibrate, fit_alpha_beta
 from .cli import build_parser, main, predict_table
+from .fit import fit_alpha_beta, machine_from
 from .machine import (
     DEFAULT_MACHINE,
     INTER,
@@ -76,8 +81,9 @@ from .simulate import PAIRS_RANKS, Prediction
 
 __all__ = [
     "DEFAULT_MACHINE", "INTER", "INTRA", "LINK_NAMES", "NETWORK_100G", "OMPI_ALLREDUCE_COMMUTATIVE",
-    "OMPI_ALLREDUCE_NONCOMMUTATIVE", "OMPI_COPIES", "PAIRS_RANKS", "REPEATS", "ROTATION_INVARIANT",
+    "OMPI_ALLREDUCE_NONCOMMUTATIVE", "OMPI_COPIES", "PAIRS_RANKS", "ROTATION_INVARIANT",
     "SHARP", "SHARP_LLT", "SHARP_SAT", "SHM", "SWITCHES", "Link", "Machine", "Oversubscribed",
-    "Prediction", "Switch", "build_parser", "calibrate", "candidates", "check_cores", "choose",
-    "fit_alpha_beta", "main", "native_algorithm", "native_copies", "predict", "predict_table",
+    "Prediction", "Switch", "build_parser", "candidates", "check_cores", "choose",
+    "fit_alpha_beta", "machine_from", "main", "native_algorithm", "native_copies", "predict",
+    "predict_table",
 ]

@@ -1,4 +1,5 @@
-"""python -m mpiallreduce.model: predict (table, winners, plots) and calibrate."""
+"""python -m mpiallreduce.model: predict (table, winners, plots); ``calibrate`` runs MPI and
+lives in :mod:`mpiallreduce.calibrate` (``model/__main__.py`` hands that command to it)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ import numpy as np
 from .. import algorithms
 from ..sizes import UsageError, human, parse_sizes
 from ..topology import Topology
-from .calibration import calibrate
 from .machine import (
     DEFAULT_MACHINE,
     INTER,
-    INTRA,
-    NETWORK_100G,
     SWITCHES,
-    Link,
     Machine,
     Switch,
     check_cores,
@@ -43,16 +40,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
     return value
 
 
@@ -91,12 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draw time against size, and against ranks at --plot-size")
     pred.add_argument("--plot-size", default=None, metavar="SIZE",
                       help="size for the time-against-ranks panel (default: the largest)")
-    cal = sub.add_parser("calibrate", help="measure this machine (under mpirun -n 2)")
-    cal.add_argument("-o", "--output", required=True, metavar="FILE.json")
-    cal.add_argument("--inter-alpha", type=_seconds, default=None, metavar="S",
-                     help=f"inter-node latency in s (default {NETWORK_100G.alpha:g}: 100 Gb/s)")
-    cal.add_argument("--inter-beta", type=_seconds, default=None, metavar="S_PER_B",
-                     help=f"inter-node s/B (default {NETWORK_100G.beta:g}: 100 Gb/s)")
+    sub.add_parser("calibrate", add_help=False,
+                   help="measure this machine under mpirun -n 2 (mpiallreduce.calibrate: -o "
+                        "FILE.json [--inter-alpha S] [--inter-beta S_PER_B])")
     return parser
 
 
@@ -324,45 +308,6 @@ def _sharp_summary(rows: list[dict]) -> str:
             + ("; ".join(parts) if parts else "not compared (cascade/hierarchical not run)"))
 
 
-def _run_calibrate(opts, out) -> int:
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    inter = None
-    if opts.inter_alpha is not None or opts.inter_beta is not None:
-        inter = Link(NETWORK_100G.alpha if opts.inter_alpha is None else opts.inter_alpha,
-                     NETWORK_100G.beta if opts.inter_beta is None else opts.inter_beta)
-    machine = calibrate(comm, inter=inter)
-    if comm.Get_rank() == 0:
-        machine.save(opts.output)
-        link = machine.info["measured_link"]
-        measured = machine.link(INTER if link == "inter" else INTRA)
-        print(f"# {machine.info['mpi_library']} on {machine.info['host']}, "
-              f"{machine.info['date']}", file=out)
-        print(f"{link}: alpha {measured.alpha * 1e6:.3f} us, beta {measured.beta:.4g} s/B "
-              f"({1 / measured.beta / 1e9 if measured.beta else float('inf'):.2f} GB/s)", file=out)
-        for name, value in machine.gamma:
-            print(f"gamma {name}: {value:.4g} s/B ({1 / value / 1e9 if value else 0:.2f} GB/s)",
-                  file=out)
-        print(f"step: {machine.step * 1e6:.2f} us, request: {machine.request * 1e6:.2f} us, "
-              f"combine: {machine.combine * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
-              f"native_call: {machine.native_call * 1e6:.2f} us, cores: {machine.cores}",
-              file=out)
-        curve = measured.curve or ()
-        print("one-way: " + ", ".join(f"{human(b)} {t * 1e6:.3g} us" for b, t in curve
-                                      if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)),
-              file=out)
-        print(f"shm: small {machine.shm_small * 1e6:.2f} us, large {machine.shm_large * 1e6:.2f} "
-              f"us per call, {machine.shm_peer:.3g} s/B from the peers' slots; node "
-              f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
-              f"{machine.info.get('load')}", file=out)
-        if machine.phased_small is not None:
-            print(f"hierarchical/cascade over shm: small {machine.phased_small * 1e6:.2f} us, "
-                  f"large {machine.phased_large * 1e6:.2f} us per call", file=out)
-        print(f"wrote {opts.output}", file=out)
-    return 0
-
-
 def main(argv=None, out=None) -> int:
     """Run the command line; return the exit status (0, or 2 for bad input)."""
     out = sys.stdout if out is None else out
@@ -370,7 +315,8 @@ def main(argv=None, out=None) -> int:
     try:
         if opts.command == "predict":
             return _run_predict(opts, out)
-        return _run_calibrate(opts, out)
+        raise ValueError("calibrate runs MPI: mpirun -n 2 python -m mpi4py -m "
+                         "mpiallreduce.model calibrate -o FILE.json (or mpiallreduce.calibrate)")
     except (ValueError, TypeError, OSError) as error:
         print(f"python -m mpiallreduce.model {opts.command}: error: {error}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from ..topology import Topology
 from .machine import DEFAULT_MACHINE, INTRA, Machine, check_cores
 from .native import OMPI_COPIES, _ompi_choice, native_algorithm
 from .programs import ROTATION_INVARIANT, _base_parts, _quotient, _ring_base, _table
+from .shm_layout import SMALL_BYTES, chunk_bytes, small_bytes
 from .simulate import (
     Prediction,
     _Costs,
@@ -195,8 +196,6 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
     waits),
     ``shm_peer`` the seconds per byte read from the peers' freshly written slots.
     """
-    from ..shm import chunk_bytes, small_bytes
-
     if topology.nnodes > 1:
         raise ValueError("shm runs on one node only: predict it with all ranks on one node")
     itemsize = np.dtype(dtype).itemsize
@@ -274,8 +273,6 @@ def _predict_node_phased(name, nranks, nbytes, topology, machine, dtype, in_plac
     ``shm_small``/``shm_large``), ``call`` for the cross phase's plan inside :func:`_cross`'s
     prediction.
     """
-    from ..shm import SMALL_BYTES, small_bytes
-
     itemsize = np.dtype(dtype).itemsize
     count = int(nbytes) // itemsize
     size = count * itemsize

@@ -1,44 +1,35 @@
-"""Calibration: measure a machine under mpirun -n 2 (ping-pong curve, combine and copy by size,
-the interpreter's terms, native's entry, the shm transport)."""
+"""Measure this machine for the cost model (a client: it runs MPI; the model does not).
+
+    mpirun -n 2 python -m mpi4py -m mpiallreduce.calibrate -o machine.json
+    mpirun -n 2 python -m mpi4py -m mpiallreduce.model calibrate -o machine.json   # the same
+
+:func:`measure` times, under two ranks of a communicator (the others wait), everything the
+model's terms are made of: a persistent-request ping-pong by size, the executor's combine and
+copy by size, ``Plan.run()`` of three shapes of one-element steps, ``comm.Allreduce`` of one
+float64, the shm transport's runs in its regimes and hierarchical over it, and the node's
+copy bandwidth. :func:`mpiallreduce.model.fit.machine_from` turns those numbers into a
+:class:`~mpiallreduce.model.Machine` (pure arithmetic, so a machine can be refitted from the
+measurements a file keeps, ``info["measurements"]``); :func:`calibrate` does both.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
 
-from ..schedule import REDUCE
-from ..topology import Topology
-from .machine import DEFAULT_MACHINE, NETWORK_100G, Link, Machine
-from .prediction import predict
-
-
-def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
-    """Least-squares fit of one-way times ``t = α + size·β``; α and β clamped at 0.
-
-    Raises ValueError for fewer than two distinct sizes or mismatched lengths.
-    """
-    sizes = np.asarray(sizes, dtype=float)
-    seconds = np.asarray(seconds, dtype=float)
-    if sizes.shape != seconds.shape or sizes.ndim != 1:
-        raise ValueError(f"sizes and times must be two lists of one length, got {sizes.shape} "
-                         f"and {seconds.shape}")
-    if len(np.unique(sizes)) < 2:
-        raise ValueError("fitting α and β needs at least two distinct message sizes")
-    if not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
-        raise ValueError("times must be finite and >= 0")
-    # weight by 1/t: relative errors, so the small sizes fix α and the large ones β
-    weights = 1.0 / np.maximum(seconds, 1e-12)
-    design = np.stack([np.ones_like(sizes), sizes], axis=1) * weights[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
-    return Link(float(max(alpha, 0.0)), float(max(beta, 0.0)))
-
+from .model.fit import machine_from
+from .model.machine import INTER, INTRA, NETWORK_100G, Link, Machine
+from .schedule import REDUCE
+from .sizes import human
+from .topology import Topology
 
 #: timed rounds per measurement; the fastest counts.
 REPEATS = 7
@@ -104,8 +95,8 @@ def _gamma_curve(sizes=RATE_SIZES) -> tuple[tuple[int, float], ...]:
     taken off: that is the ``combine`` term), best of several repeats."""
     from mpi4py import MPI
 
-    from ..ops import reducer
-    from ..schedule import RECEIVED_FIRST
+    from .ops import reducer
+    from .schedule import RECEIVED_FIRST
 
     red = reducer(MPI.SUM, np.dtype("float32"))
     tiny = np.ones(1, np.float32), np.ones(1, np.float32)
@@ -142,8 +133,8 @@ def _plan_cost(comm, steps, count: int, iterations: int) -> float:
     """Seconds per ``Plan.run()`` of ``steps`` on ``count`` float64 (:func:`_seconds_per_run`)."""
     from mpi4py import MPI
 
-    from ..executor import Plan
-    from ..ops import reducer
+    from .executor import Plan
+    from .ops import reducer
 
     private = comm.Dup()
     try:
@@ -184,7 +175,7 @@ def _interpreter_terms(comm, nsteps: int = 33) -> dict:
 
     Returns the three slopes, the 1-step run of the last and the number of steps.
     """
-    from ..schedule import COPY, Recv, Send, Step
+    from .schedule import COPY, Recv, Send, Step
 
     rank = comm.Get_rank()
     peer = 1 - rank if rank < 2 else None
@@ -216,7 +207,7 @@ def _shm_cost(comm, nbytes: int, iterations: int, algorithm: str = "shm", **para
     hierarchical with ``intra="shm"``: its node-phased plan."""
     from mpi4py import MPI
 
-    from ..api import plan
+    from .api import plan
 
     x = np.ones(max(nbytes // 4, 1), np.float32)
     y = np.empty_like(x)
@@ -253,8 +244,8 @@ def _gamma(dtype, nbytes: int = 4 << 20, repeats: int = 20) -> float:
     """Seconds per byte of the executor's local combine (SUM) on ``dtype``, best of ``repeats``."""
     from mpi4py import MPI
 
-    from ..ops import reducer
-    from ..schedule import RECEIVED_FIRST
+    from .ops import reducer
+    from .schedule import RECEIVED_FIRST
 
     combine = reducer(MPI.SUM, np.dtype(dtype))
     count = nbytes // np.dtype(dtype).itemsize
@@ -295,125 +286,151 @@ def _allreduce_cost(comm, iterations: int = 100) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = None,
-              rate_sizes: Sequence[int] = RATE_SIZES, bandwidth_bytes: int = 64 << 20
-              ) -> Machine:
-    """Measure the machine under two ranks of ``comm`` (collective: call it on every rank).
+def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] = RATE_SIZES,
+            bandwidth_bytes: int = 64 << 20) -> dict:
+    """Measure the machine under two ranks of ``comm`` (collective: call it on every rank);
+    return the numbers (the same on every rank: rank 0's, broadcast), JSON-able.
 
-    Every number is a measurement of this machine, none is fitted to the bench:
-
-    - the link: one-way times of a persistent-request ping-pong between ranks 0 and 1 over
-      ``sizes`` (1 B .. 64 MiB), kept as the link's ``curve`` (the protocol switch, caches), and
-      α, β least squares over them up to 4 MiB (the closed forms, older readers);
-    - γ per dtype (the executor's SUM combine on 4 MiB), and float32's ``gamma_curve`` by size;
-    - ``copy`` (allocate and copy 64 MiB) and its ``copy_curve`` by size;
-    - ``step``, ``request``, ``combine`` and ``call`` from ``Plan.run()`` of three shapes of
-      one-element steps (:func:`_interpreter_terms`), less the ping-pong's message;
-    - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
-    - ``shm_small``/``shm_large``: the shm transport's run at 8 B and 64 KiB less the model's
-      copies and combines there, ``shm_peer`` from its run at 16 KiB (the small regime's
-      per-byte read of the peers' slots); ``phased_small``/``phased_large``: hierarchical with
-      its shared-memory intra-node phase at 8 B and twice the small regime's limit, less the
-      model's copies and combines; ``node_bandwidth``: all ranks copying 64 MiB at once,
-      and ``node_curve`` the same at every size of ``rate_sizes`` below it;
-    - ``cores``: those this process may run on.
-
-    The measured link is the inter-node one when ranks 0 and 1 are on different nodes; the
-    other class comes from ``inter`` (default :data:`NETWORK_100G`) or the default machine.
-    ``rate_sizes`` are the sizes of the combine and copy curves, ``bandwidth_bytes`` what each
-    rank copies for ``node_bandwidth`` (smaller ones make a quick, rougher calibration).
+    ``sizes`` are the ping-pong's (1 B .. 64 MiB), ``rate_sizes`` those of the combine, copy and
+    node-bandwidth curves, ``bandwidth_bytes`` what each rank copies for the node's bandwidth
+    (smaller ones make a quick, rougher calibration).
     """
     from mpi4py import MPI
 
-    from ..shm import small_bytes
+    from .shm import small_bytes
 
     if comm.Get_size() < 2:
         raise ValueError("calibrate needs at least 2 ranks: mpirun -n 2 python -m mpi4py -m "
-                         "mpiallreduce.model calibrate -o machine.json")
+                         "mpiallreduce.calibrate -o machine.json")
     times = []
     for nbytes in sizes:
         iterations = int(min(100, max(5, (16 << 20) // max(nbytes, 1))))
         times.append(_pingpong_persistent(comm, nbytes, iterations))
-    fitted = [(b, t) for b, t in zip(sizes, times) if b <= 4 << 20] or list(zip(sizes, times))
-    line = fit_alpha_beta([b for b, _ in fitted], [t for _, t in fitted])
-    measured = Link(line.alpha, line.beta, tuple(zip(map(int, sizes), times)))
-    gamma = tuple((name, comm.bcast(_gamma(name), root=0))
-                  for name in ("float32", "float64", "int32", "int64"))
+    gamma = [[name, comm.bcast(_gamma(name), root=0)]
+             for name in ("float32", "float64", "int32", "int64")]
     gamma_curve = comm.bcast(_gamma_curve(rate_sizes), root=0)
     copy = comm.bcast(_copy_cost(), root=0)
     copy_curve = comm.bcast(_copy_curve(rate_sizes), root=0)
     shapes = _interpreter_terms(comm)
-    message = float(measured.cost(8))
-    gamma64 = dict(gamma)["float64"]
-    request = shapes["exchange"] - shapes["chain"]
-    raw_step = shapes["chain"] - request - message
-    combine = shapes["reducing"] - shapes["exchange"] - 8 * gamma64
-    per_step, request, combine = max(0.0, raw_step), max(0.0, request), max(0.0, combine)
-    per_call = max(0.0, shapes["reducing 1 step"] - shapes["reducing"])
     allreduce = _allreduce_cost(comm)
     split = Topology.from_comm(comm)
     # the cores of this node: the union of what its ranks may run on (mpirun binds each rank to
     # one core, so one rank's own affinity says 1)
     mine = (set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else set(range(os.cpu_count() or 1)))
-    node_of_rank = split.node
     gathered = comm.allgather(mine)
     cores = len(set().union(*(cpus for rank, cpus in enumerate(gathered)
-                              if node_of_rank[rank] == node_of_rank[comm.Get_rank()])))
+                              if split.node[rank] == split.node[comm.Get_rank()])))
     across = split.node[0] != split.node[1]
-    intra = DEFAULT_MACHINE.intra if across else measured
-    inter = measured if across else (NETWORK_100G if inter is None else inter)
     limit = small_bytes(comm.Get_size())  # the small regime's most bytes at this size
     shm = {} if across else {size: _shm_cost(comm, size, 100)
                              for size in (8, limit // 2, 2 * limit)}
     phased = {} if across else {size: _shm_cost(comm, size, 100, "hierarchical", intra="shm")
                                 for size in (8, 2 * limit)}
-    node_curve = None if across else tuple(
-        (size, _node_bandwidth(comm, size)) for size in rate_sizes if size < bandwidth_bytes)
-    bandwidth = 0.0 if across else _node_bandwidth(comm, bandwidth_bytes)
-    if node_curve is not None:
-        node_curve += ((bandwidth_bytes, bandwidth),)
+    node_curve = None
+    bandwidth = 0.0
+    if not across:
+        node_curve = [(size, _node_bandwidth(comm, size)) for size in rate_sizes
+                      if size < bandwidth_bytes]
+        bandwidth = _node_bandwidth(comm, bandwidth_bytes)
+        node_curve.append((bandwidth_bytes, bandwidth))
     info = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00"),
             "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
             "python": platform.python_version(), "host": platform.node(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "measured_link": "inter" if across else "intra",
-            "inter_source": "measured" if across else "given by hand (--inter-alpha/--inter-beta)"
-                            if inter is not NETWORK_100G else "NETWORK_100G (100 Gb/s example)",
-            "pingpong": {"sizes": list(map(int, sizes)), "one_way_s": times,
-                         "kind": "persistent requests (Start/Wait), best of rounds"},
-            "plan_run_s": {"chain per step": shapes["chain"],
-                           "exchange per step": shapes["exchange"],
-                           "reducing exchange per step": shapes["reducing"],
-                           "reducing exchange, 1 step": shapes["reducing 1 step"],
-                           "step before clamping at 0": raw_step},
-            "shm_run_s": {str(k): v for k, v in shm.items()},
-            "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
-            "allreduce_1_float64_s": allreduce}
-    machine = Machine(intra, inter, gamma, per_step, per_call, copy, info=info,
-                      request=request, combine=combine, gamma_curve=gamma_curve,
-                      copy_curve=copy_curve, node_bandwidth=bandwidth, node_curve=node_curve)
-    # native_call: what comm.Allreduce costs beyond the model of Open MPI's algorithm for it
-    modelled = predict("native", comm.Get_size(), 8, split, machine, "float64").time
-    machine = replace(machine, native_call=max(0.0, allreduce - modelled))
-    if all(shm.get(size) is not None for size in shm) and shm and split.nnodes == 1:
-        # the small regime's fixed cost at 8 B, its per-byte read of the peers' slots from
-        # 16 KiB, then the large regime's fixed cost at 64 KiB with that rate
-        nranks, half, large_size = comm.Get_size(), limit // 2, 2 * limit
-        small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
-        machine = replace(machine, shm_small=small)
-        rest = shm[half] - predict("shm", nranks, half, split, machine).time
-        machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
-        large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
-        machine = replace(machine, shm_large=max(0.0, large))
-    if phased and all(value is not None for value in phased.values()) and split.nnodes == 1:
-        # hierarchical over shared memory on this one node (no cross phase), as shm's regimes
-        nranks = comm.Get_size()
-        fields = {}
-        for size, name in ((8, "phased_small"), (2 * limit, "phased_large")):
-            modelled = predict("hierarchical", nranks, size, split,
-                               replace(machine, **{name: 0.0}), intra="shm").time
-            fields[name] = max(0.0, phased[size] - modelled)
-        machine = replace(machine, **fields)
-    return replace(machine, cores=comm.bcast(cores, root=0))
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    measured = {
+        "pingpong_sizes": [int(size) for size in sizes], "pingpong_s": times,
+        "gamma": gamma, "gamma_curve": [list(p) for p in gamma_curve], "copy": copy,
+        "copy_curve": [list(p) for p in copy_curve], "plan_run_s": shapes,
+        "allreduce_s": allreduce, "node": list(split.node), "cores": cores,
+        "shm_small_limit": limit, "shm_run_s": {str(k): v for k, v in shm.items()},
+        "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
+        "node_curve": None if node_curve is None else [list(p) for p in node_curve],
+        "node_bandwidth": bandwidth, "info": info}
+    return comm.bcast(measured, root=0)
+
+
+def calibrate(comm, sizes: Sequence[int] = CURVE_SIZES, inter: Link | None = None,
+              rate_sizes: Sequence[int] = RATE_SIZES, bandwidth_bytes: int = 64 << 20
+              ) -> Machine:
+    """Measure the machine under two ranks of ``comm`` (collective) and return the model's
+    machine for it (:func:`measure`, then :func:`mpiallreduce.model.fit.machine_from`; every
+    number a measurement of this machine, none fitted to the bench). The measured link is the
+    inter-node one when ranks 0 and 1 are on different nodes; the other class comes from
+    ``inter`` (default :data:`NETWORK_100G`) or the built-in machine."""
+    return machine_from(measure(comm, sizes, rate_sizes, bandwidth_bytes), inter)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def build_parser(prog: str = "python -m mpiallreduce.calibrate") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Measure this machine for the cost "
+                                     "model (under mpirun -n 2).")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.json")
+    parser.add_argument("--inter-alpha", type=_seconds, default=None, metavar="S",
+                        help=f"inter-node latency in s (default {NETWORK_100G.alpha:g}: 100 Gb/s)")
+    parser.add_argument("--inter-beta", type=_seconds, default=None, metavar="S_PER_B",
+                        help=f"inter-node s/B (default {NETWORK_100G.beta:g}: 100 Gb/s)")
+    return parser
+
+
+def main(argv=None, out=None, prog: str = "python -m mpiallreduce.calibrate") -> int:
+    """Calibrate on COMM_WORLD and write the machine file; return the exit status."""
+    from mpi4py import MPI
+
+    out = sys.stdout if out is None else out
+    opts = build_parser(prog).parse_args(argv)
+    comm = MPI.COMM_WORLD
+    inter = None
+    if opts.inter_alpha is not None or opts.inter_beta is not None:
+        inter = Link(NETWORK_100G.alpha if opts.inter_alpha is None else opts.inter_alpha,
+                     NETWORK_100G.beta if opts.inter_beta is None else opts.inter_beta)
+    try:
+        machine = calibrate(comm, inter=inter)
+        if comm.Get_rank() == 0:
+            machine.save(opts.output)
+    except (ValueError, OSError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    if comm.Get_rank() == 0:
+        _report(machine, opts.output, out)
+    return 0
+
+
+def _report(machine: Machine, path: str, out) -> None:
+    link = machine.info["measured_link"]
+    measured = machine.link(INTER if link == "inter" else INTRA)
+    print(f"# {machine.info['mpi_library']} on {machine.info['host']}, "
+          f"{machine.info['date']}", file=out)
+    print(f"{link}: alpha {measured.alpha * 1e6:.3f} us, beta {measured.beta:.4g} s/B "
+          f"({1 / measured.beta / 1e9 if measured.beta else float('inf'):.2f} GB/s)", file=out)
+    for name, value in machine.gamma:
+        print(f"gamma {name}: {value:.4g} s/B ({1 / value / 1e9 if value else 0:.2f} GB/s)",
+              file=out)
+    print(f"step: {machine.step * 1e6:.2f} us, request: {machine.request * 1e6:.2f} us, "
+          f"combine: {machine.combine * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
+          f"native_call: {machine.native_call * 1e6:.2f} us, cores: {machine.cores}", file=out)
+    curve = measured.curve or ()
+    print("one-way: " + ", ".join(f"{human(b)} {t * 1e6:.3g} us" for b, t in curve
+                                  if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)), file=out)
+    print(f"shm: small {machine.shm_small * 1e6:.2f} us, large {machine.shm_large * 1e6:.2f} "
+          f"us per call, {machine.shm_peer:.3g} s/B from the peers' slots; node "
+          f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
+          f"{machine.info.get('load')}", file=out)
+    if machine.phased_small is not None:
+        print(f"hierarchical/cascade over shm: small {machine.phased_small * 1e6:.2f} us, "
+              f"large {machine.phased_large * 1e6:.2f} us per call", file=out)
+    print(f"wrote {path}", file=out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Machines from measurements: the α-β line fit, and the calibrated terms as what a measured
+run costs beyond the model's prediction of it. Pure arithmetic over numbers that
+:mod:`mpiallreduce.calibrate` (a client that runs MPI) measured; no MPI here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from ..topology import Topology
+from .machine import DEFAULT_MACHINE, NETWORK_100G, Link, Machine
+from .prediction import predict
+
+
+def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
+    """Least-squares fit of one-way times ``t = α + size·β``; α and β clamped at 0.
+
+    Raises ValueError for fewer than two distinct sizes or mismatched lengths.
+    """
+    sizes = np.asarray(sizes, dtype=float)
+    seconds = np.asarray(seconds, dtype=float)
+    if sizes.shape != seconds.shape or sizes.ndim != 1:
+        raise ValueError(f"sizes and times must be two lists of one length, got {sizes.shape} "
+                         f"and {seconds.shape}")
+    if len(np.unique(sizes)) < 2:
+        raise ValueError("fitting α and β needs at least two distinct message sizes")
+    if not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
+        raise ValueError("times must be finite and >= 0")
+    # weight by 1/t: relative errors, so the small sizes fix α and the large ones β
+    weights = 1.0 / np.maximum(seconds, 1e-12)
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) * weights[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
+    return Link(float(max(alpha, 0.0)), float(max(beta, 0.0)))
+
+
+def machine_from(measured: dict, inter: Link | None = None) -> Machine:
+    """Return the machine that ``measured`` (what :func:`mpiallreduce.calibrate.measure`
+    returns, or the ``measurements`` kept in a calibrated machine file's info) describes.
+
+    - the link: the ping-pong's one-way times by size as its ``curve``, α and β least squares
+      over them up to 4 MiB; it is the inter-node link when ranks 0 and 1 were on different
+      nodes, else the intra-node one, the other class from ``inter`` (default
+      :data:`NETWORK_100G`) or the built-in machine;
+    - ``step``, ``request``, ``combine``, ``call`` from the three shapes of one-element plan
+      runs, less the ping-pong's message (clamped at 0);
+    - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
+    - ``shm_small``, ``shm_peer``, ``shm_large`` and ``phased_small``/``phased_large``: the
+      measured runs less the model's copies and combines there (one node only).
+    """
+    sizes, times = measured["pingpong_sizes"], measured["pingpong_s"]
+    fitted = [(b, t) for b, t in zip(sizes, times) if b <= 4 << 20] or list(zip(sizes, times))
+    line = fit_alpha_beta([b for b, _ in fitted], [t for _, t in fitted])
+    link = Link(line.alpha, line.beta, tuple(zip(map(int, sizes), times)))
+    gamma = tuple((name, value) for name, value in measured["gamma"])
+    shapes = measured["plan_run_s"]
+    message = float(link.cost(8))
+    gamma64 = dict(gamma)["float64"]
+    request = shapes["exchange"] - shapes["chain"]
+    raw_step = shapes["chain"] - request - message
+    combine = shapes["reducing"] - shapes["exchange"] - 8 * gamma64
+    per_step, request, combine = max(0.0, raw_step), max(0.0, request), max(0.0, combine)
+    per_call = max(0.0, shapes["reducing 1 step"] - shapes["reducing"])
+    split = Topology.from_levels(measured["node"])
+    across = split.node[0] != split.node[1]
+    intra = DEFAULT_MACHINE.intra if across else link
+    inter = link if across else (NETWORK_100G if inter is None else inter)
+    shm = {int(k): v for k, v in measured.get("shm_run_s", {}).items()}
+    phased = {int(k): v for k, v in measured.get("hierarchical_shm_run_s", {}).items()}
+    node_curve = measured.get("node_curve")
+    info = {**measured.get("info", {}),
+            "measured_link": "inter" if across else "intra",
+            "inter_source": "measured" if across else "given by hand (--inter-alpha/--inter-beta)"
+                            if inter is not NETWORK_100G else "NETWORK_100G (100 Gb/s example)",
+            "pingpong": {"sizes": list(map(int, sizes)), "one_way_s": list(times),
+                         "kind": "persistent requests (Start/Wait), best of rounds"},
+            "plan_run_s": {"chain per step": shapes["chain"],
+                           "exchange per step": shapes["exchange"],
+                           "reducing exchange per step": shapes["reducing"],
+                           "reducing exchange, 1 step": shapes["reducing 1 step"],
+                           "step before clamping at 0": raw_step},
+            "shm_run_s": {str(k): v for k, v in shm.items()},
+            "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
+            "allreduce_1_float64_s": measured["allreduce_s"],
+            "measurements": {k: v for k, v in measured.items() if k != "info"}}
+    machine = Machine(intra, inter, gamma, per_step, per_call, measured["copy"], info=info,
+                      request=request, combine=combine,
+                      gamma_curve=tuple(map(tuple, measured["gamma_curve"])),
+                      copy_curve=tuple(map(tuple, measured["copy_curve"])),
+                      node_bandwidth=measured.get("node_bandwidth", 0.0),
+                      node_curve=None if node_curve is None else tuple(map(tuple, node_curve)))
+    nranks = len(split.node)
+    modelled = predict("native", nranks, 8, split, machine, "float64").time
+    machine = replace(machine, native_call=max(0.0, measured["allreduce_s"] - modelled))
+    limit = measured.get("shm_small_limit")
+    if shm and all(v is not None for v in shm.values()) and split.nnodes == 1:
+        # the small regime's fixed cost at 8 B, its per-byte read of the peers' slots from
+        # half its limit, then the large regime's fixed cost at twice the limit with that rate
+        half, large_size = limit // 2, 2 * limit
+        small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
+        machine = replace(machine, shm_small=small)
+        rest = shm[half] - predict("shm", nranks, half, split, machine).time
+        machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
+        large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
+        machine = replace(machine, shm_large=max(0.0, large))
+    if phased and all(v is not None for v in phased.values()) and split.nnodes == 1:
+        # hierarchical over shared memory on this one node (no cross phase), as shm's regimes
+        fields = {}
+        for size, name in ((8, "phased_small"), (2 * limit, "phased_large")):
+            modelled = predict("hierarchical", nranks, size, split,
+                               replace(machine, **{name: 0.0}), intra="shm").time
+            fields[name] = max(0.0, phased[size] - modelled)
+        machine = replace(machine, **fields)
+    return replace(machine, cores=measured["cores"])
