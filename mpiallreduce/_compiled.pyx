@@ -131,6 +131,37 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
                         check, timeout, params)
 
 
+cdef object _comm_allreduce = None
+cdef object _unviewable = None
+cdef object _settle = None
+
+
+def install_comm(python_allreduce, unviewable, settle):
+    """Hand :func:`comm_allreduce` the Python ``Comm.Allreduce`` (every call it does not take)
+    and what that method does where a buffer is unviewable (called once, by ``comm``)."""
+    global _comm_allreduce, _unviewable, _settle
+    _comm_allreduce, _unviewable, _settle = python_allreduce, unviewable, settle
+
+
+def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+    """The compiled ``mar.Comm.Allreduce``: its first branch (the objects of an earlier call
+    routed as they came, found by ``recvbuf``'s identity), written as the Python method's;
+    every other call is the Python method's."""
+    cdef object entry = self._calls.get(id(recvbuf))
+    if entry is not None and (<tuple>entry)[1] is recvbuf and (<tuple>entry)[0] is sendbuf \
+            and (<tuple>entry)[2] is op and dtype_of(recvbuf) is (<tuple>entry)[3] \
+            and (<tuple>entry)[4] == self.handle and not self._params:
+        try:
+            _cached_call(None, _bind_allreduce, sendbuf, recvbuf, op, (<tuple>entry)[5],
+                         (<tuple>entry)[6], (<tuple>entry)[7], (<tuple>entry)[8],
+                         (<tuple>entry)[9], {})
+        except _unviewable as agreed:
+            _settle(agreed, None)
+            return self._mpi("Allreduce", sendbuf, recvbuf, op)
+        return None
+    return _comm_allreduce(self, sendbuf, recvbuf, op)
+
+
 def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
                 dict params):
     """The compiled :func:`._plans.cached_call`."""
