@@ -1,5 +1,6 @@
 """mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
 
+from . import _checks, _state
 from .api import ALGORITHMS, allreduce, iallreduce, plan, start
 from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .comm import Comm
@@ -10,9 +11,11 @@ from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
 from .ops import AVG
 from .reproducible import ReproduciblePlan, dot, norm2, sum
-from .shm import SharedArray, shared_empty, shared_zeros
+from .shm import SharedArray, serve_states, shared_empty, shared_zeros
 from .topology import Topology
 from .tracing import trace
+
+serve_states(_checks.check_comm, _state.state)  # how the transport's shared_empty finds a state
 
 __version__ = "0.1.0"
 

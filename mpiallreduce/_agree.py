@@ -20,22 +20,22 @@ apart only by commutativity: MPI gives no rank-independent name for them.
 
 from __future__ import annotations
 
-import time
 from array import array
 
 from mpi4py import MPI
 
 from ._checks import COLLECTIVE_ALGORITHMS, check_comm
 from ._state import state as comm_state
-from .executor import MPI_CANNOT_SAY, check_timeout, wait_or_fail
-from .ops import DTYPES, OP_NAMES
+from ._waiting import MPI_CANNOT_SAY, check_timeout, deadline_of, wait_or_fail
 from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
+from .shm.protocol import UNKNOWN, differs
+from .shm.protocol import name_ranks as _ranks
 
 #: field names of the signature; the first is the bad-input flag.
 FIELDS = ("", "count", "dtype", "op", "algorithm", "root", "algorithm parameters", "topology",
           "timeout", "tuning table", "auto's inputs")
-#: signature field a rank could not determine (its own input was bad).
-UNKNOWN = -9
+# UNKNOWN (protocol's): a signature field a rank could not determine (its own input was bad);
+# describe and differs (protocol's): the one mismatch report, shm's signatures' and this one's
 
 
 def bad_signature() -> list[int]:
@@ -52,8 +52,9 @@ class Signature:
         self.packed = array("q", fields + [-value for value in fields])
         self.result = array("q", bytes(8 * len(self.packed)))
         # as written into a shared-memory header (mpiallreduce.shm), where the ranks share one;
-        # its last word is carried, not compared (see shm.Node.agree): ``carried`` is then
-        # every rank's, a list (None where the check ran as a collective)
+        # its last word is *carried*: sent along to every rank, not compared (see
+        # shm.Node.agree); ``carried`` is then every rank's such word, a list in rank order
+        # (None where the check ran as a collective)
         self.shm = memoryview(array("q", signature_words(KIND_CHECK, fields)))
         self.carried = None
 
@@ -78,7 +79,7 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
         else:
             wait_or_fail(
                 [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)],
-                time.monotonic() + timeout,
+                deadline_of(timeout),
                 lambda reason, pending: fail(reason, pending, (signature,)),
                 lambda: (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
                          f"within {timeout:g} s; some rank of the communicator has not made this "
@@ -120,11 +121,7 @@ def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exceptio
             if name == "auto's inputs":  # two facts in one word: say which of them differs
                 problems.extend(_inputs_differ(values))
                 continue
-            groups = {}
-            for rank, value in enumerate(values):
-                groups.setdefault(value, []).append(rank)
-            problems.append(f"{name} differs: " + "; ".join(
-                f"{describe(name, value, names)} on {_ranks(ranks)}" for value, ranks in groups.items()))
+            problems.append(differs(name, values, names))
         if not problems:  # the same arguments, but not the same call at this point
             raise ValueError(f"{what}: ranks run different calls at this point with the same "
                              f"arguments (plans and calls on this communicator in different orders, "
@@ -205,31 +202,3 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
     if carry is not None:
         carry.words = signature.carried
     return call
-
-
-def describe(field_name: str, value: int, names: tuple[str, ...]) -> str:
-    if value == UNKNOWN:
-        return "unknown (bad input)"
-    if field_name == "dtype":
-        return DTYPES[value].name
-    if field_name == "op":
-        return {-1: "a commutative user op", -2: "a non-commutative user op",
-                -3: "no op"}.get(value, OP_NAMES[value] if 0 <= value < len(OP_NAMES) else str(value))
-    if field_name == "algorithm":
-        return names[value]
-    if field_name == "algorithm parameters":
-        return f"parameters with checksum {value}"
-    if field_name == "topology":
-        return "no topology" if value == -1 else f"a topology with checksum {value}"
-    if field_name == "timeout":
-        return "a timeout" if value else "no timeout"
-    if field_name == "tuning table":
-        return "no tuning table" if value == 0 else f"a tuning table with checksum {value}"
-    if field_name == "auto's inputs":  # bit 0: native saturates 8/16-bit sums; bit 1: in place
-        return (("in place" if value & 2 else "out of place") + ", a native library that "
-                + ("saturates" if value & 1 else "wraps"))
-    return str(value)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -518,3 +518,15 @@ def test_trace_records_the_timed_runs_only(shared_dir):
             timed = ["native", *names]
             assert mine == [name for name in timed for _ in range(iterations)], (rank, mine)
     comm.Barrier()
+
+
+def test_against_gloo_needs_torch_and_says_how_to_get_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(bench.UsageError, match=r"mpiallreduce\[torch\]"):
+        bench.parse_args(["--against", "gloo"])
+    opts = bench.parse_args(["--against", "native"])
+    assert [label for _, _, label in opts.cases][0] == "native"

@@ -222,7 +222,7 @@ def test_predict_refuses_bad_input_with_status_2(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-EXACT = ["tree", "recursive_doubling", "rabenseifner", "ring", "ring_segmented"]
+EXACT = ["tree", "knomial", "recursive_doubling", "rabenseifner", "ring", "ring_segmented"]
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -900,3 +900,29 @@ def test_a_machine_refits_from_its_measurements_without_mpi():
                machine.phased_small, machine.phased_large) >= 0
     assert machine.info["host"] == "h" and machine.info["measurements"]["cores"] == 2
     assert machine_from(machine.info["measurements"]) == machine
+
+
+# -- predict's fast paths give the slow derivation's numbers (issue 38, item 4) -----------------
+
+@pytest.mark.parametrize("name, p, per_node, count", [
+    ("ring", 24, 8, 5), ("ring_segmented", 24, 8, 23), ("ring", 33, 4, 1),
+    ("knomial", 40, 8, 1000), ("knomial", 17, 4, 3), ("ring", 16, 8, 4096),
+    ("ring_segmented", 16, 4, 100000), ("rabenseifner", 24, 8, 77)])
+def test_the_fast_paths_equal_building_every_rank(monkeypatch, name, p, per_node, count):
+    """The sparse ring's message counts from cyclic ranges (the path above PAIRS_RANKS, forced
+    here at small p), knomial through the slot-span table, the quotient's counts per distinct
+    interned step: the same numbers as building and simulating every rank, to 1e-12."""
+    from mpiallreduce.model import simulate
+
+    monkeypatch.setattr(simulate, "PAIRS_RANKS", 0)
+    topology = Topology.simulated(p, per_node)
+    for machine, in_place in ((PLAIN, False), (DEFAULT_MACHINE, False), (RICH, True)):
+        fast = predict(name, p, count * 4, topology, machine, in_place=in_place)
+        full = predict(name, p, count * 4, topology, machine, symmetric=False,
+                       in_place=in_place)
+        assert fast.time == pytest.approx(full.time, rel=1e-12, abs=1e-18)
+        assert fast.finish == pytest.approx(full.finish, rel=1e-12, abs=1e-18)
+        assert fast.link_messages == full.link_messages
+        assert fast.link_bytes == full.link_bytes
+        assert fast.sent_bytes.tolist() == full.sent_bytes.tolist()
+        assert fast.sent_messages.tolist() == full.sent_messages.tolist()

@@ -118,7 +118,7 @@ def test_chunked_large_regime_across_chunk_boundaries(comm, small_chunks, in_pla
         out = np.empty(count, dtype=dtype)
         plan = (mar.plan(MPI.IN_PLACE, buf, op=op, comm=comm, algorithm="shm") if in_place
                 else mar.plan(buf, out, op=op, comm=comm, algorithm="shm"))
-        assert comm.size == 1 or plan._run == plan._run_chunks
+        assert comm.size == 1 or isinstance(plan, shm.ChunkedPlan)
         for round_ in range(3):
             x = contribution(comm, count, dtype, op_name, seed=round_)
             buf[...] = x

@@ -292,3 +292,17 @@ def test_the_example_trains_alike_three_ways(capsys):
     assert module.main(["--inputs", "32", "--hidden", "64", "--steps", "4"]) == 0
     if WORLD.rank == 0:
         assert capsys.readouterr().out.rstrip().endswith("within the tolerances: True")
+
+
+def test_the_bench_takes_gloo_as_its_reference_column(capsys):
+    from mpiallreduce import bench
+
+    status = bench.main(["--against", "gloo", "--sizes", "8,4K", "--algorithms", "ring,auto",
+                         "--iterations", "3", "--in-place"])
+    assert status == bench.EXIT_OK
+    if WORLD.rank == 0:
+        out = capsys.readouterr().out
+        rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+        assert [r[1] for r in rows[:4]] == ["gloo", "native", "ring", "auto"], out
+        assert all(r[-1] == "ok" for r in rows) and "vs_gloo" in out
+        assert {r[7] for r in rows if r[1] == "gloo"} == {"1.00"}

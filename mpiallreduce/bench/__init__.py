@@ -32,6 +32,7 @@ from .options import (
     EXIT_FAIL,
     EXIT_OK,
     EXIT_USAGE,
+    GLOO,
     ITERATION_RULE,
     MAX_ITERATIONS,
     MIN_ITERATIONS,
@@ -61,7 +62,7 @@ from .report import (
 )
 
 __all__ = [
-    "APIS", "BUDGET_BYTES", "DEFAULT_SIZES", "EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "ITERATION_RULE",
+    "APIS", "BUDGET_BYTES", "DEFAULT_SIZES", "EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "GLOO", "ITERATION_RULE",
     "MAX_ITERATIONS", "MIN_ITERATIONS", "MPI_CALL", "MPI_INIT", "OP_NAMES", "RANKS_PER_NODE_ENV",
     "RECOMMEND_MARGIN", "RECOMMEND_ROUNDS",
     "Case", "HelpShown", "Options", "Row", "UsageError", "build_parser", "check_outputs",

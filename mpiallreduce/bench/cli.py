@@ -75,7 +75,8 @@ def run(comm, opts: Options, out=None, recorder=None) -> tuple[list[Row], list[s
                 stats = rank_stats(comm, seconds)
                 if stats is not None:
                     rounds.setdefault(label, []).append((*stats, ok))
-        native = [avg for avg, *_ in rounds.get("native", [])]
+        # the reference column (native, or gloo with --against gloo)
+        native = [avg for avg, *_ in rounds.get(opts.against, [])]
         for label, measured in rounds.items():
             middle = sorted(measured)[(len(measured) - 1) // 2]  # the median round (lower one)
             avg, low, high = middle[:3]
@@ -131,7 +132,8 @@ def main(argv=None, comm=None, out=None) -> int:
         rows, notes, all_ok = run(comm, opts, out, recorder)
     if root:
         if not opts.quiet:
-            print("\n".join(summary_lines(rows, [label for _, _, label in opts.cases])),
+            print("\n".join(summary_lines(rows, [label for _, _, label in opts.cases],
+                                          opts.against)),
                   file=out, flush=True)
         failed = [r for r in rows if r.check == "FAIL"]
         if failed:

@@ -18,7 +18,34 @@ import mpiallreduce as mar
 
 from ..ops import reducer
 from ..topology import Topology
-from .options import MPI_CALL, MPI_INIT, Options, algorithm_call, default_iterations, op_of
+from .options import GLOO, MPI_CALL, MPI_INIT, Options, algorithm_call, default_iterations, op_of
+
+#: bench op name -> the name of torch's ``ReduceOp`` (AVG: SUM, divided after, as for MPI's)
+_GLOO_OPS = {"SUM": "SUM", "AVG": "SUM", "PROD": "PRODUCT", "MIN": "MIN", "MAX": "MAX",
+             "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+
+
+def gloo_call(comm, x: np.ndarray, recv: np.ndarray, op: str, in_place: bool):
+    """Return a call of Gloo's all-reduce into ``recv`` (a tensor on its memory), or the reason
+    Gloo cannot run this case. Sets up torch.distributed from ``comm`` the first time
+    (collective: the first case measured, on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if op not in _GLOO_OPS:
+        return f"Gloo has no {op}"
+    try:
+        tensor = torch.from_numpy(recv)
+    except TypeError as exc:
+        return f"torch has no tensor of {recv.dtype}: {exc}"
+    if not dist.is_initialized():
+        mar.torch.init_process_group(comm)
+    if dist.get_world_size() != comm.size:
+        return "torch.distributed was set up on another communicator"
+    reduce_op = getattr(dist.ReduceOp, _GLOO_OPS[op])
+    if in_place:
+        return lambda: dist.all_reduce(tensor, reduce_op)
+    return lambda: (np.copyto(recv, x), dist.all_reduce(tensor, reduce_op))
 
 
 @dataclass
@@ -149,7 +176,12 @@ class Case:
                     if api in ("plan", "start") else None)
         except ValueError as exc:
             return str(exc)
-        if api == MPI_CALL:
+        if api == GLOO:
+            run = gloo_call(comm, x, recv, opts.op, opts.in_place)
+            refused = comm.allgather(run if isinstance(run, str) else None)
+            if any(refused):
+                return next(r for r in refused if r)
+        elif api == MPI_CALL:
             red = reducer(op, self.x.dtype)
             run = lambda: comm.Allreduce(sendbuf, recv, red.mpi_op)
         elif api == MPI_INIT:
@@ -195,7 +227,7 @@ class Case:
                 comm.Barrier()  # a shared result: no peer writes into it before it is reset
                 with self.untraced():
                     run()
-                if api in (MPI_CALL, MPI_INIT) and reducer(op, self.x.dtype).average:
+                if api in (MPI_CALL, MPI_INIT, GLOO) and reducer(op, self.x.dtype).average:
                     np.divide(recv, comm.size, out=recv)
                 ok = bool(np.array_equal(recv, self.ref))
         ok = comm.allreduce(ok, op=MPI.LAND)

@@ -78,6 +78,11 @@ MPI_CALL = "comm.Allreduce"
 #: the label of MPI's own persistent request (``comm.Allreduce_init``: Start + Wait), timed
 #: beside the persistent and non-blocking modes.
 MPI_INIT = "comm.Allreduce_init"
+#: the label of Gloo's all-reduce (``torch.distributed.all_reduce`` on the array's tensor), the
+#: reference column with ``--against gloo``.
+GLOO = "gloo"
+#: what ``--against`` may name: the row every ratio is taken against.
+REFERENCES = ("native", GLOO)
 
 
 def parse_apis(text: str) -> list[str]:
@@ -176,6 +181,13 @@ def build_parser(printing: bool = True) -> _Parser:
                              f"{RECOMMEND_ROUNDS} rounds the closing advice recommends another "
                              "algorithm than auto where it was more than "
                              f"{RECOMMEND_MARGIN * 100:.0f}%% faster in every round (default: 1)")
+    parser.add_argument("--against", default="native", choices=REFERENCES,
+                        help="the reference column: native (MPI's own Allreduce, as a plan) or "
+                             "gloo (torch.distributed.all_reduce with Gloo on a torch tensor "
+                             "sharing the array's memory, set up by mar.torch.init_process_group; "
+                             "Gloo reduces in place, so out of place the input is copied into "
+                             "the result first, as a torch user would; needs the torch extra); "
+                             "native still runs (default: native)")
     parser.add_argument("--in-place", action="store_true",
                         help="reduce in place (sendbuf = MPI.IN_PLACE) (default: off)")
     parser.add_argument("--no-validate", dest="validate", action="store_false",
@@ -222,6 +234,7 @@ class Options:
     quiet: bool
     notes: list[str]
     trace: str | None = None
+    against: str = "native"
 
     @property
     def width(self) -> int:
@@ -233,6 +246,8 @@ class Options:
         """(algorithm, api, row label) in the order measured: the native plan, comm.Allreduce if
         a call mode is timed, then every algorithm in every mode."""
         cases = [("native", "plan", "native")]  # the reference of vs_native, always first
+        if self.against == GLOO:  # the reference, first, native after it
+            cases.insert(0, (GLOO, GLOO, GLOO))
         if any(api != "plan" for api in self.apis):
             cases.append((MPI_CALL, MPI_CALL, MPI_CALL))
         if any(api in ("start", "iallreduce", "comm-init") for api in self.apis):
@@ -291,7 +306,9 @@ def parse_args(argv=None, printing: bool = True) -> Options:
     if args.trace and len(sizes) != 1:
         raise UsageError(f"--trace records the runs of one size; --sizes {args.sizes!r} gives "
                          f"{len(sizes)} (give one, e.g. --sizes 64K)")
+    if args.against == GLOO and importlib.util.find_spec("torch") is None:
+        raise UsageError("--against gloo needs torch: pip install 'mpiallreduce[torch]'")
     return Options(parse_algorithms(args.algorithms), parse_apis(args.api), args.repeat, sizes,
                    dtype, args.op,
                    args.iterations, args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
-                   ranks_per_node, args.quiet, notes, args.trace)
+                   ranks_per_node, args.quiet, notes, args.trace, args.against)

@@ -21,6 +21,7 @@ from ..sizes import human
 from ..topology import RANKS_PER_NODE_ENV, Topology
 from .measure import Row
 from .options import (
+    GLOO,
     ITERATION_RULE,
     MPI_CALL,
     MPI_INIT,
@@ -74,11 +75,13 @@ def metadata(comm, opts: Options) -> dict:
         "repeat": opts.repeat,
         "api": opts.apis,
         "trace": opts.trace,
+        "against": opts.against,
     }
 
 
 def header_lines(meta: dict, width: int) -> list[str]:
     """Return the ``#`` header and the column titles."""
+    against = meta.get("against", "native")
     return [
         f"# {meta['tool']} {meta['version']}: allreduce latency and bandwidth (OSU-style)",
         f"# MPI: {meta['mpi_library']} (MPI {meta['mpi_standard']}); mpi4py {meta['mpi4py']}, "
@@ -90,10 +93,10 @@ def header_lines(meta: dict, width: int) -> list[str]:
         f"{meta.get('repeat', 1)} (algorithms interleaved; rows show the median round)",
         "# time: barrier, then the mean over iterations on each rank; avg/min/max over ranks (us)",
         "# algbw = size/avg, busbw = algbw*2(p-1)/p (GB/s, 1e9 B/s); "
-        "vs_native = native avg/avg (>1: faster than native)",
+        f"vs_{against} = {against} avg/avg (>1: faster than {against})",
         "#",
         f"# {'size(B)':>10} {'algorithm':<{width}} {'avg(us)':>11} {'min(us)':>11} {'max(us)':>11} "
-        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'vs_native':>9} check",
+        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'vs_' + against:>9} check",
     ]
 
 
@@ -146,7 +149,8 @@ def recommendations(rows: list[Row]) -> list[str]:
     the best measured, then a ``# recommend`` line only where another algorithm beat auto in
     every round by more than :data:`RECOMMEND_MARGIN` (native is the baseline in a run without
     auto). Plan rows only: the call modes are timed against comm.Allreduce instead."""
-    plans = [r for r in rows if r.algorithm not in (MPI_CALL, MPI_INIT) and "/" not in r.algorithm]
+    plans = [r for r in rows
+             if r.algorithm not in (MPI_CALL, MPI_INIT, GLOO) and "/" not in r.algorithm]
     by_size: dict[int, dict[str, Row]] = {}
     for row in plans:
         by_size.setdefault(row.size, {})[row.algorithm] = row
@@ -199,14 +203,15 @@ def recommendations(rows: list[Row]) -> list[str]:
     return lines
 
 
-def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
-    """Return one closing line per algorithm (mean busbw, the sizes where it beat native beyond
-    the spread, or its cost against comm.Allreduce for the call modes), then the advice
-    (:func:`recommendations`)."""
+def summary_lines(rows: list[Row], algorithms: list[str], against: str = "native") -> list[str]:
+    """Return one closing line per algorithm (mean busbw, the sizes where it beat the reference
+    column, ``against``, beyond the spread, or its cost against comm.Allreduce for the call
+    modes), then the advice (:func:`recommendations`)."""
     repeats = max((r.repeats for r in rows), default=1)
     beyond = (f"in all {repeats} rounds" if repeats > 1
               else "by at least 1%; one round, no spread measured")
-    lines = ["#", f"# summary: mean busbw over sizes; sizes where avg latency beat native ({beyond})"]
+    lines = ["#", f"# summary: mean busbw over sizes; sizes where avg latency beat {against} "
+                  f"({beyond})"]
     for name in algorithms:
         mine = [r for r in rows if r.algorithm == name]
         if not mine:
@@ -219,10 +224,10 @@ def summary_lines(rows: list[Row], algorithms: list[str]) -> list[str]:
                       if r.size in base and name != MPI_CALL]
             if ratios:
                 line += f"; time / comm.Allreduce: {', '.join(ratios)}"
-        elif name != "native":
+        elif name != against:
             wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if _beats_native(r)]
-            line += (f"; faster than native at {len(wins)} size(s): {', '.join(wins)}" if wins
-                     else "; never faster than native")
+            line += (f"; faster than {against} at {len(wins)} size(s): {', '.join(wins)}" if wins
+                     else f"; never faster than {against}")
         lines.append(line)
     return lines + ["#"] + recommendations(rows)
 

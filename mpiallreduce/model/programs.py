@@ -211,13 +211,14 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
 def _base_parts(name: str, nranks: int, count: int) -> int | None:
     """Slots whose block-distributed spans are every range of ``name`` at any ``count``, or None.
 
-    Tree and recursive doubling move the whole vector (one slot); Rabenseifner moves spans of
-    its pof2 slots; the ring and, while every block holds at most one element (count < p), the
-    segmented ring move single ring blocks. Building the schedule once at ``count = parts``
-    (one element per slot) gives every range of every other count by :func:`_span_sizes`:
-    ``tests/test_model.py`` checks the result against the per-count simulation.
+    Tree, the k-nomial tree and recursive doubling move the whole vector (one slot);
+    Rabenseifner moves spans of its pof2 slots; the ring and, while every block holds at most
+    one element (count < p), the segmented ring move single ring blocks. Building the
+    schedule once at ``count = parts`` (one element per slot) gives every range of every
+    other count by :func:`_span_sizes`: ``tests/test_model.py`` checks the result against
+    the per-count simulation.
     """
-    if name in ("tree", "recursive_doubling"):
+    if name in ("tree", "knomial", "recursive_doubling"):
         return 1
     if name == "rabenseifner":
         return 1 << (nranks.bit_length() - 1)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import zip_longest
 
 import numpy as np
 
@@ -136,31 +138,62 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
     with one piece per block reuses the ring's run.
     """
     node = np.asarray(topology.node)
-    cost = np.array([costs.message(itemsize, INTRA), costs.message(itemsize, INTER)],
-                    dtype=float).reshape(2)
     request = costs.machine.request
     relative = np.zeros(nranks)
-    blocks = np.arange(count)
-    senders, receivers = [], []
+    # rank indices twice over: the senders of a step, (j - slot) mod p for the blocks j, are the
+    # cyclic range starting at -slot, a slice of this array (no modulo per step)
+    around = np.concatenate([np.arange(nranks), np.arange(nranks)])
+    message = {}  # offset -> seconds of a one-block message from each rank to rank + offset
     reduce_cost = float(costs.reduce(itemsize, 1))
     for offset, slot, reduces in base:
-        sender = (blocks - slot) % nranks
-        receiver = (sender + offset) % nranks
-        link = (node[sender] != node[receiver]).astype(np.int64)
+        start, shift = -slot % nranks, offset % nranks
+        sender = around[start:start + count]
+        receiver = around[start + shift:start + shift + count]
+        if offset not in message:
+            crosses = node != node[(np.arange(nranks) + offset) % nranks]
+            message[offset] = np.where(crosses, float(costs.message(itemsize, INTER)),
+                                       float(costs.message(itemsize, INTRA)))
+        # the count blocks are distinct and fewer than p, so no rank sends (or receives) two of
+        # them in one step: plain fancy indexing, no ufunc.at
         if request:  # a busy rank starts and waits its send and its receive
-            np.add.at(relative, sender, request)
-            np.add.at(relative, receiver, request)
-        finish = np.maximum(relative[sender], relative[receiver]) + cost[link]
-        np.maximum.at(relative, sender, finish)
-        np.maximum.at(relative, receiver, finish)
+            relative[sender] += request
+            relative[receiver] += request
+        finish = np.maximum(relative[sender], relative[receiver]) + message[offset][sender]
+        relative[sender] = np.maximum(relative[sender], finish)
+        relative[receiver] = np.maximum(relative[receiver], finish)
         if reduces:
             relative[receiver] += reduce_cost
-        senders.append(sender)
-        receivers.append(receiver)
-    sender, receiver = np.concatenate(senders), np.concatenate(receivers)
-    link = (node[sender] != node[receiver]).astype(np.int64)
-    totals = _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64))
-    return relative + len(base) * costs.machine.step, totals, len(base)
+    return (relative + len(base) * costs.machine.step,
+            _ring_totals(base, nranks, count, node, itemsize), len(base))
+
+
+def _ring_totals(base: tuple, nranks: int, count: int, node: np.ndarray, itemsize: int):
+    """:func:`_totals` of the sparse ring's messages: each step's senders are a cyclic range
+    of ``count`` ranks, so the counts come from difference and prefix sums over the ranks
+    (O(steps + p)) instead of one entry per message (O(steps x count)); every message
+    (``pairs``) only where :data:`PAIRS_RANKS` asks for them."""
+    if nranks <= PAIRS_RANKS:
+        blocks = np.arange(count)
+        sender = np.concatenate([(blocks - slot) % nranks for _, slot, _ in base])
+        receiver = np.concatenate([(blocks - slot + offset) % nranks for offset, slot, _ in base])
+        link = (node[sender] != node[receiver]).astype(np.int64)
+        return _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64))
+    starts = np.array([-slot % nranks for _, slot, _ in base], dtype=np.int64)
+    edges = np.zeros(2 * nranks + 1, dtype=np.int64)
+    np.add.at(edges, starts, 1)
+    np.add.at(edges, starts + count, -1)
+    running = np.cumsum(edges)[:2 * nranks]
+    sent_messages = running[:nranks] + running[nranks:]
+    inter = 0
+    for offset in {offset for offset, _, _ in base}:
+        crosses = (node != node[(np.arange(nranks) + offset) % nranks]).astype(np.int64)
+        prefix = np.concatenate([[0], np.cumsum(np.concatenate([crosses, crosses]))])
+        mine = starts[[o == offset for o, _, _ in base]]
+        inter += int((prefix[mine + count] - prefix[mine]).sum())
+    total = len(base) * count
+    return (sent_messages * itemsize, sent_messages, ((total - inter) * itemsize, inter * itemsize),
+            (total - inter, inter), None)
+
 
 # -- the simulator ---------------------------------------------------------------------------------
 
@@ -215,10 +248,9 @@ def _run(quotient: _Quotient, costs: _Costs) -> np.ndarray:
     loads: dict = {}  # id(cost step) -> (cpu before, send load, recv load, after), per run
     clock = [0.0] * nclasses
     programs = quotient.programs
-    length = max((len(p) for p in programs), default=0)
     previous, delta, steady = None, 0.0, False
-    for k in range(length):
-        step_costs = tuple(program[k] if k < len(program) else None for program in programs)
+    # step k of every class at once (None past a program's end), transposed in C
+    for k, step_costs in enumerate(zip_longest(*programs)):
         if steady and step_costs == previous:
             clock = [t + delta for t in clock]
             continue
@@ -290,17 +322,19 @@ def _counts(quotient: _Quotient):
     steps = 0
     for c, program in enumerate(quotient.programs):
         steps = max(steps, sum(1 for cost in program if cost is not None))
-        for cost in program:
-            if cost is None:
-                continue
-            for peer, nbytes_sent, link in cost.sends:
-                sent_bytes[c] += nbytes_sent
-                sent_messages[c] += 1
-                link_bytes[link] += nbytes_sent * sizes[c]
-                link_messages[link] += sizes[c]
+        # cost steps are interned: count each distinct one once, then weigh it by its repeats
+        repeats = Counter(id(cost) for cost in program if cost is not None)
+        distinct = {id(cost): cost for cost in program if cost is not None}
+        for key, times in repeats.items():
+            for peer, nbytes_sent, link in distinct[key].sends:
+                sent_bytes[c] += nbytes_sent * times
+                sent_messages[c] += times
+                link_bytes[link] += nbytes_sent * sizes[c] * times
+                link_messages[link] += sizes[c] * times
                 if pairs is not None:
                     messages, volume = pairs.get((quotient.reps[c], peer), (0, 0))
-                    pairs[(quotient.reps[c], peer)] = (messages + 1, volume + nbytes_sent)
+                    pairs[(quotient.reps[c], peer)] = (messages + times,
+                                                       volume + nbytes_sent * times)
     result = (sent_bytes, sent_messages, tuple(link_bytes), tuple(link_messages), pairs, steps)
     if len(_COUNTS) > 512:
         _COUNTS.clear()

@@ -1,0 +1,153 @@
+"""The small regime (up to :func:`.protocol.small_bytes` per rank): every rank copies its
+input into its parity slot, publishes, and reduces all p slots itself in rank order (identical
+bits everywhere, non-commutative ops exact). One arrival per epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import numpy as np
+
+from ..ops import exact_sum
+from .node import Node
+from .plan import ShmPlan, _single
+
+
+class SmallPlan(ShmPlan):
+    """An shm plan of the small regime (see the module)."""
+
+    def _bind(self, source, input_block, input_at, recv_block, recv_at) -> None:
+        # (traced: its load and reduce calls hold the run's clock readings)
+        self._trace("small")
+        self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
+        self.direct, self._timed = self._bind_direct()
+
+    def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
+        """(load, reduce) of the small regime for one parity: single calls. Bound while
+        tracing, they hold every clock reading of the run too (the closures of
+        :meth:`_bind_direct`, which the call cache runs, have no other place for them)."""
+        slots = self._slots(parity)
+        rank = self._node.rank
+        own = memoryview(slots[rank]).cast("B")
+        phase = self._phase
+        load = [*phase("run", None, ()),
+                *phase("arrive", None, [partial(own.__setitem__, slice(None),
+                                                memoryview(source).cast("B"))]),
+                *phase("wait", None, ())]
+        scalar = self._scalar(slots)
+        reduce = [scalar] if scalar else self._reduce_into(self._result, slots)
+        if self._average and not scalar:
+            reduce.append(partial(np.divide, self._result, self._nranks, self._result))
+        reduce = [*phase("reduce", None, reduce), *phase("end", None, ())]
+        return _single(load), _single(reduce)
+
+    def _scalar(self, slots: list[np.ndarray]):
+        """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
+        ufunc, in rank order) through memoryviews, without NumPy's per-call cost; else None."""
+        red, result = self.reducer, self._result
+        if result.size != 1 or result.dtype != np.float64 or red.name not in ("SUM", "AVG",
+                                                                                "PROD"):
+            return None
+        out = memoryview(result).cast("B").cast("d")
+        first, *rest = views = [memoryview(slot).cast("B").cast("d") for slot in slots]
+        divisor = float(self._nranks) if self._average else None
+        if self._exact:  # the correctly rounded sum, whatever the order (reproducible sums)
+            def reduce():
+                total = exact_sum([view[0] for view in views])
+                out[0] = total if divisor is None else total / divisor
+        elif red.name == "PROD":
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total *= view[0]
+                out[0] = total
+        elif divisor is None and len(rest) == 1:
+            second = rest[0]
+
+            def reduce():
+                out[0] = first[0] + second[0]
+        else:
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total += view[0]
+                out[0] = total if divisor is None else total / divisor
+        return reduce
+
+    def _bind_direct(self):
+        """:meth:`direct` of the small regime as closures over the bound state: the
+        :meth:`_run` of a run without timeout and of one with, written out with locals
+        instead of attribute reads (each shows at 8 bytes). Returns (untimed, timed); the
+        timed one takes the run's timeout (checked by :meth:`run`)."""
+        node = self._node
+        header, peers, sync, written, areas = (node.header, node.peer_headers, node.sync,
+                                               node.written, node.areas)
+        arrive, mismatch, label = self._arrive, self._mismatch, self._label
+        monotonic = time.monotonic
+
+        def make(timed: bool):
+            words, mine = self._signed[timed]
+            programs = tuple((load, reduce, digests, parity, node.signatures[parity])
+                             for (load, reduce), digests, parity
+                             in zip(self._programs, self._peer_digests, (0, 1)))
+
+            def direct(timeout=None) -> None:
+                # (deadline_of, written out: a call less at 8 bytes)
+                deadline = None if timeout is None else monotonic() + timeout
+                epoch = node.epoch + 1
+                node.epoch = epoch
+                try:
+                    if node.finished != epoch - 1:
+                        node.turn(epoch, deadline, label)
+                    load, reduce, digests, parity, signatures = programs[epoch & 1]
+                    load()
+                    if written[parity] is not words:
+                        lo, hi = areas[parity]
+                        header[lo:hi] = words
+                        written[parity] = words
+                    if sync is not None:
+                        sync()
+                    header[0] = 2 * epoch
+                    target = 2 * epoch - 1
+                    for peer in peers:
+                        if peer[0] < target:
+                            arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
+                            break
+                    else:
+                        if sync is not None:
+                            sync()
+                        for theirs, word in digests:
+                            if theirs[word] != mine:
+                                mismatch(signatures, timeout)
+                    reduce()
+                finally:
+                    node.finished = epoch
+            return direct
+        return make(False), make(True)
+
+    def _run(self, node: Node, epoch: int, timeout, deadline) -> None:
+        parity = epoch & 1
+        load, reduce = self._programs[parity]
+        load()
+        words, mine = self._signed[timeout is not None]
+        if node.written[parity] is not words:
+            self._sign(node, parity, timeout)
+        # _arrive, written out: this path is what an 8-byte call costs
+        if node.sync is not None:
+            node.sync()
+        node.header[0] = 2 * epoch
+        target = 2 * epoch - 1
+        for peer in node.peer_headers:
+            if peer[0] < target:
+                self._arrive(node, epoch, 2 * epoch, timeout, deadline, 0)
+                break
+        else:
+            if node.sync is not None:
+                node.sync()
+            for header, word in self._peer_digests[parity]:
+                if header[word] != mine:
+                    self._mismatch(node.signatures[parity], timeout)
+        reduce()
+
