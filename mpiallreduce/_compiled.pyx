@@ -273,10 +273,11 @@ cdef class SmallRun:
     cdef double divisor
 
     def __cinit__(self, node, source, result, slots, signed_words, peer_digests, programs, arrive,
-                  mismatch, str label, reducer_name, bint average, bint timed, bint crowded):
-        """``slots[parity][q]``: rank q's slot (flat array); ``signed_words[timed]``: (words, digest);
-        ``peer_digests[parity]``: ((a peer's header, word index), ...); ``programs[parity]``:
-        the Python form's (load, reduce); ``crowded``: more ranks than cores."""
+                  mismatch, str label, reducer_name, bint average, bint timed):
+        """``slots[parity][q]``: rank q's slot (flat array); ``signed_words[timed]``: (words,
+        digest); ``peer_digests[parity]``: ((a peer's header, word index), ...);
+        ``programs[parity]``: the Python form's (load, reduce). Where the node's ranks outnumber
+        the cores (``node.spin`` is 0) the wait yields at once."""
         cdef Py_ssize_t q, parity
         self.node, self.arrive, self.mismatch, self.label = node, arrive, mismatch, label
         self.timed = timed
@@ -314,7 +315,7 @@ cdef class SmallRun:
             self.reduce_kind = SUM_F32
         elif reducer_name == "PROD" and dtype == "f":
             self.reduce_kind = PROD_F32
-        self.spins = 0 if crowded else SPIN_PAUSES
+        self.spins = SPIN_PAUSES if node.spin else 0
 
     def __call__(self, timeout=None):
         self.run(timeout)
@@ -360,8 +361,6 @@ cdef class SmallRun:
                 self.reduce(parity)
         finally:
             node.finished = epoch
-            if node.waiting:
-                node.finish(epoch)
         return 0
 
     cdef bint spin(self, int64_t target, double deadline) noexcept:

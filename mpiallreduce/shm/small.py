@@ -10,6 +10,7 @@ from functools import partial
 
 import numpy as np
 
+from .. import _form
 from ..ops import exact_sum
 from .node import Node
 from .plan import ShmPlan, _single
@@ -23,6 +24,22 @@ class SmallPlan(ShmPlan):
         self._trace("small")
         self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
         self.direct, self._timed = self._bind_direct()
+        if _form.compiled is not None and not self.traced:
+            self.direct, self._timed = self._compiled_runs(source)
+
+    def _compiled_runs(self, source: np.ndarray) -> tuple:
+        """:meth:`_bind_direct`'s two runs compiled (``_compiled.SmallRun``): the same steps
+        with no Python frame on the way to the spin-wait; their slow paths (an earlier epoch
+        still running, a peer not there after the spin, differing signatures, ops other than
+        float SUM/PROD/AVG) are this plan's own methods and bound calls."""
+        node = self._node
+        slots = tuple(self._slots(parity) for parity in (0, 1))
+        # (the exact sum of reproducible calls stays the bound Python reduce)
+        name = None if self._exact else self.reducer.name
+        return tuple(_form.compiled.SmallRun(
+            node, source, self._result, slots, self._signed, self._peer_digests, self._programs,
+            self._arrive, self._mismatch, self._label, name, self._average, timed)
+            for timed in (False, True))
 
     def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
         """(load, reduce) of the small regime for one parity: single calls. Bound while
