@@ -15,16 +15,17 @@ SOURCE = "mpiallreduce/_compiled.pyx"
 
 
 class optional_build_ext(build_ext):
-    """build_ext that, where an optional extension fails to build, says so once and goes on."""
+    """build_ext that, where the extension fails to build, says so once and goes on."""
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # no compiler, or it failed: the Python form stays
-            if not ext.optional:
-                raise
-            print(f"mpiallreduce: the compiled call path was not built ({exc}); installing the "
-                  f"pure-Python form", file=sys.stderr)
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if len(reason) > 100:
+                reason = reason[:100] + "..."
+            print(f"mpiallreduce: the compiled call path was not built ({reason}); installing "
+                  f"the pure-Python form", file=sys.stderr)
 
 
 def extensions() -> list:
@@ -42,6 +43,7 @@ def extensions() -> list:
                     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
                     extra_compile_args=["-O2", "-ffp-contract=off"])
     try:
+        # (every extension here is optional: cythonize's copies lose the flag)
         return cythonize([ext], compiler_directives={"language_level": 3}, quiet=True)
     except Exception as exc:  # (a Cython too old or too new for the source)
         print(f"mpiallreduce: Cython failed ({exc}); installing the pure-Python form",
