@@ -15,6 +15,10 @@ from ..ops import exact_sum
 from .node import Node
 from .plan import ShmPlan, _single
 
+#: most ranks of a node whose small-regime runs are compiled (``_compiled.SmallRun`` keeps its
+#: pointers in fixed arrays); larger nodes run the Python form's closures
+COMPILED_MAX_RANKS = 64
+
 
 class SmallPlan(ShmPlan):
     """An shm plan of the small regime (see the module)."""
@@ -24,7 +28,8 @@ class SmallPlan(ShmPlan):
         self._trace("small")
         self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
         self.direct, self._timed = self._bind_direct()
-        if _form.compiled is not None and not self.traced:
+        if _form.compiled is not None and not self.traced \
+                and self._node.size <= COMPILED_MAX_RANKS:
             self.direct, self._timed = self._compiled_runs(source)
 
     def _compiled_runs(self, source: np.ndarray) -> tuple:
