@@ -102,3 +102,21 @@ def test_the_form_is_the_one_selected():
         assert mar.allreduce.__module__ == "mpiallreduce.api"
     elif _form.compiled is not None:
         assert mar.allreduce is _form.compiled.allreduce
+
+
+def test_a_repeated_small_shm_call_runs_compiled_where_built():
+    """Where the compiled form is active, a repeated 8-byte shm call's cache entry runs
+    ``_compiled.SmallRun`` (with and without a timeout); in the Python form, the closures."""
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("one rank runs no shm epoch")  # (uniform across ranks)
+    from mpiallreduce import _state
+
+    x, out = np.ones(1), np.empty(1)
+    for _ in range(2):
+        mar.allreduce(x, out, comm=comm, algorithm="shm")
+    entry = _state.LAST[id(out)]
+    compiled = _form.compiled is not None
+    kinds = {type(entry.direct).__name__, type(entry.timed).__name__}
+    assert kinds == ({"SmallRun"} if compiled else {"function"}), kinds
+    assert out[0] == comm.size
