@@ -1,10 +1,13 @@
 """GradSync against the plain per-gradient loop over ``comm.Allreduce``: time per training step.
 
-    mpirun -n 2 python -m mpi4py scripts/gradsync_cost.py [--features 512] [--hidden 1024]
-        [--steps 30] [--rounds 3] [--bucket-bytes 4194304]
+    mpirun -n 2 python -m mpi4py scripts/gradsync_cost.py [--case mlp|layers] [--features 512]
+        [--hidden 1024] [--steps 30] [--rounds 3] [--bucket-bytes 4194304]
 
-The model and data are examples/data_parallel.py's (a two-layer MLP; 512 x 1024 makes the
-gradients 4 MiB of float64). In one job, every round runs ``--steps`` training steps of each
+``--case mlp`` (the default): examples/data_parallel.py's model and data (a two-layer MLP;
+512 x 1024 makes the gradients 4 MiB of float64). ``--case layers``: issue 37's case, two
+``--hidden`` x ``--hidden`` float64 layers and their biases (512: 2 MiB each), the compute of a
+step one matmul of that size, the gradients written after it in reverse order (last layer
+first, as backprop does). In one job, every round runs ``--steps`` training steps of each
 mode, interleaved: ``plain`` (backprop, then one ``comm.Allreduce(IN_PLACE, g)`` per gradient),
 ``GradSync`` (``overlap="auto"``, the default: it times both ways for a few steps and keeps the
 faster) and ``GradSync overlap=False/True`` forced. Prints, per mode, the median step time over
@@ -32,8 +35,43 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from data_parallel_table import load_example  # noqa: E402 - the example's loader, next to this
 
 
+def mlp(args, comm):
+    """The example's backprop: ``backprop(ready=None)`` writes ``backprop.grads``."""
+    example = load_example()
+    x, y = example.make_data(args.samples, args.features)
+    lo, hi = mar.partition.block(len(y), comm.size, comm.rank)
+    x, y = x[lo:hi], y[lo:hi]
+    params = example.init_params(args.features, args.hidden)
+    grads = [np.empty_like(p) for p in params]
+
+    def backprop(ready=None):
+        example.backprop(params, x, y, args.samples, grads, ready)
+    backprop.grads = grads
+    return backprop
+
+
+def layers(args, comm):
+    """Issue 37's case: two n x n float64 layers and their biases; a step's compute is one
+    n x n matmul, then the gradients are written last layer first."""
+    n = args.hidden
+    rng = np.random.default_rng(comm.rank)
+    a, b, product = rng.standard_normal((n, n)), rng.standard_normal((n, n)), np.empty((n, n))
+    grads = [np.empty((n, n)), np.empty(n), np.empty((n, n)), np.empty(n)]
+
+    def backprop(ready=None):
+        np.matmul(a, b, out=product)
+        for index in reversed(range(len(grads))):
+            np.copyto(grads[index], product[:grads[index].shape[0]] if grads[index].ndim == 2
+                      else product[0])
+            if ready:
+                ready(index)
+    backprop.grads = grads
+    return backprop
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=("mlp", "layers"), default="mlp")
     parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=1024)
@@ -41,16 +79,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
     args = parser.parse_args(argv)
-    example = load_example()
     comm = MPI.COMM_WORLD
-    x, y = example.make_data(args.samples, args.features)
-    lo, hi = mar.partition.block(len(y), comm.size, comm.rank)
-    x, y = x[lo:hi], y[lo:hi]
-    params = example.init_params(args.features, args.hidden)
-    grads = [np.empty_like(p) for p in params]
+    backprop = mlp(args, comm) if args.case == "mlp" else layers(args, comm)
+    grads = backprop.grads
 
     def plain():
-        example.backprop(params, x, y, args.samples, grads)
+        backprop()
         for g in grads:
             comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
 
@@ -62,7 +96,7 @@ def main(argv=None) -> int:
                                            bucket_bytes=args.bucket_bytes)
 
         def step(sync=sync):
-            example.backprop(params, x, y, args.samples, grads, sync.ready)
+            backprop(sync.ready)
             sync.wait()
         modes[label] = step
     times: dict[str, list[list[float]]] = {label: [] for label in modes}
@@ -82,7 +116,8 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         gbytes = sum(g.nbytes for g in grads)
         threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
-        print(f"# {comm.size} ranks, gradients {gbytes / 2**20:.1f} MiB in {len(grads)} arrays, "
+        print(f"# case {args.case}, load {os.getloadavg()[0]:.1f}; {comm.size} ranks, "
+              f"gradients {gbytes / 2**20:.1f} MiB in {len(grads)} arrays, "
               f"{args.rounds} rounds x {args.steps} steps, OPENBLAS_NUM_THREADS={threads}")
         base = statistics.median(t for r in times["plain comm.Allreduce loop"] for t in r)
         print(f"{'mode':34s} {'ms/step':>8s} {'/ plain':>8s} {'spread':>7s}")

@@ -36,6 +36,11 @@ Run (from the repository root; Open MPI as root needs the usual variables)::
         PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
     .venv/bin/python scripts/mutation.py --sample 60 --ranks 3 --report mutation-report.txt
     .venv/bin/python scripts/mutation.py --only ID ... --extra tests/test_timeout_mpi.py
+    .venv/bin/python scripts/mutation.py --targets shm --sample 30 --ranks 3
+
+``--targets shm`` mutates the shared-memory transport (``mpiallreduce/shm/``) instead; its
+stages are the stress test (every regime under random stalls, ``tests/test_shm_stress_mpi.py``)
+and a cross-section of ``tests/test_shm_mpi.py``.
 
 A run on this project's 2-core VM, with the survivors explained, is in
 ``scripts/mutation-vm.txt``. It prints one line per mutant (``KILLED``/``SURVIVED``, by which
@@ -67,6 +72,13 @@ TARGETS = sorted(
     [f"{PACKAGE}/algorithms/{p.name}" for p in (ROOT / PACKAGE / "algorithms").glob("*.py")]
     + [f"{PACKAGE}/{name}" for name in ("partition.py", "ops.py", "executor.py", "_binding.py",
                                          "_waiting.py", "_plans.py", "api.py")])
+
+#: the shared-memory transport's modules (``--targets shm``)
+SHM_TARGETS = sorted(f"{PACKAGE}/shm/{p.name}" for p in (ROOT / PACKAGE / "shm").glob("*.py"))
+#: the MPI stages of an shm mutant: the stress test (every regime under random stalls), then a
+#: cross-section of the shm tests (regimes, chunks, shared arrays, mismatches, timeouts)
+MPI_SHM_K = ("awkward_counts or chunked or shared or mismatch or times_out or every_op_and_dtype "
+             "or order")
 
 #: algorithm names each algorithms/ module defines (the MPI subset's -k expression)
 ALGORITHM_OF = {"ring.py": ["ring"], "ring_segmented.py": ["ring_segmented"],
@@ -294,6 +306,9 @@ def _commands(mutant: Mutant, python: str, mpirun: str, ranks: int) -> list[tupl
                      "-m", "not mpi and not slow"]
     pytest_mpi = [mpirun, "-n", str(ranks), python, "-m", "mpi4py", "-m", "pytest", "-q", "-x",
                   "--color=no", "-p", "no:cacheprovider", "--with-mpi", "-m", "mpi and not slow"]
+    if "/shm/" in mutant.path:
+        return [("mpi stress", pytest_mpi + ["tests/test_shm_stress_mpi.py"]),
+                ("mpi shm", pytest_mpi + ["tests/test_shm_mpi.py", "-k", MPI_SHM_K])]
     in_algorithms = "/algorithms/" in mutant.path
     if in_algorithms and name == "collectives.py":
         return [("serial", pytest_serial + ["tests/test_verify.py", "-k", "collective"]),
@@ -391,6 +406,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="run these mutant ids only")
     parser.add_argument("--extra", nargs="*", help="MPI test files (and pytest options) to run "
                         "after the fast subset, e.g. for survivors")
+    parser.add_argument("--targets", choices=("schedules", "shm"), default="schedules",
+                        help="the schedule code and call path (TARGETS), or the shm transport "
+                        "(SHM_TARGETS)")
     parser.add_argument("--list", action="store_true", help="print every mutant and exit")
     parser.add_argument("--report", help="also write the report to this file")
     parser.add_argument("--minutes", type=float,
@@ -399,11 +417,12 @@ def main(argv=None) -> int:
                         help="run each stage of the chosen mutants on the unmutated copy first")
     args = parser.parse_args(argv)
 
-    everything = [m for path in TARGETS for m in enumerate_mutants(path)]
+    targets = SHM_TARGETS if args.targets == "shm" else TARGETS
+    everything = [m for path in targets for m in enumerate_mutants(path)]
     if args.list:
         for m in everything:
             print(f"{m.ident}\t{m.text}")
-        print(f"# {len(everything)} mutants in {len(TARGETS)} files")
+        print(f"# {len(everything)} mutants in {len(targets)} files")
         return 0
     if args.only:
         wanted = set(args.only)
@@ -436,7 +455,7 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     counted = [(m, v) for m, v in results if v != "UNCHANGED"]
     lines.append("# per file: killed / mutants")
-    for path in TARGETS:
+    for path in targets:
         mine = [v for m, v in counted if m.path == path]
         if mine:
             lines.append(f"#   {path}: {mine.count('KILLED')}/{len(mine)}")

@@ -41,6 +41,7 @@ from dataclasses import replace
 
 from mpiallreduce.algorithms.nodes import NODE_PHASED
 from mpiallreduce.model import DEFAULT_MACHINE, Machine, Oversubscribed, check_cores, predict
+from mpiallreduce.model.fit import fit_terms
 from mpiallreduce.topology import Topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -206,6 +207,60 @@ def relative_summary(records: list[dict]) -> list[str]:
     return lines
 
 
+#: the model as it is used: its ratios between algorithms within this band of the measured
+#: ones, and its pick within PICK of the measured best (issue 38, item 3)
+RATIO_BAND, PICK = 0.25, 0.10
+
+
+def as_used(records: list[dict]) -> tuple[list[str], dict]:
+    """The model judged as it is used, per case and mode and over all: (lines, figures).
+
+    Ratios: for every (case, mode, size), each algorithm's time over the measured fastest
+    algorithm's of that size (same job, same rounds), predicted against measured; a row agrees
+    when the predicted ratio is within +-RATIO_BAND of the measured one (the fastest itself is
+    not counted: its ratio is 1 both ways). Pick: the model's fastest of the algorithms
+    measured at that size takes at most (1 + PICK) times the measured fastest's time. ``auto``
+    rows are left out (they are one of the others); so are refused rows.
+    """
+    groups: dict = {}
+    for r in records:
+        if r["algorithm"] == "auto" or r["predicted_us"] is None or not r["measured_us"] > 0:
+            continue
+        groups.setdefault((r["case"], r["mode"], r["size"]), []).append(r)
+    tally: dict = {}
+    for (case, mode, _), rows in groups.items():
+        if len(rows) < 2:
+            continue
+        best = min(rows, key=lambda r: r["measured_us"])
+        pick = min(rows, key=lambda r: r["predicted_us"])
+        counts = tally.setdefault((case, mode), [0, 0, 0, 0])
+        for r in rows:
+            if r is best:
+                continue
+            measured = r["measured_us"] / best["measured_us"]
+            predicted = r["predicted_us"] / best["predicted_us"]
+            counts[0] += abs(predicted / measured - 1) <= RATIO_BAND
+            counts[1] += 1
+        counts[2] += pick["measured_us"] <= (1 + PICK) * best["measured_us"]
+        counts[3] += 1
+    lines = [f"# as used: {'ranks':>5} {'mode':>4} {'ratios within +-25%':>22} "
+             f"{'pick within 10%':>18}"]
+    total = [0, 0, 0, 0]
+    for (case, mode), counts in tally.items():
+        total = [t + c for t, c in zip(total, counts)]
+        lines.append(f"# as used: {case:>5} {mode:>4} {_share(*counts[:2]):>22} "
+                     f"{_share(*counts[2:]):>18}")
+    lines.append(f"# as used: {'all':>5} {'':>4} {_share(*total[:2]):>22} "
+                 f"{_share(*total[2:]):>18}")
+    figures = {"ratios": total[0] / total[1] if total[1] else None,
+               "picks": total[2] / total[3] if total[3] else None}
+    return lines, figures
+
+
+def _share(hits: int, count: int) -> str:
+    return f"{hits}/{count} ({hits / count:.0%})" if count else "-"
+
+
 def within(record: dict, band: float) -> bool:
     return abs(record["predicted_us"] / record["measured_us"] - 1) <= band
 
@@ -283,6 +338,19 @@ def plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def fitted(machine: Machine, rows: dict) -> Machine:
+    """``machine`` with its per-call and per-step terms fitted to the rows of one case (the
+    first of CASES that ``rows`` holds, both modes): ranks on a simulated topology as run."""
+    for nranks, per_node in CASES:
+        mine = [(row, mode == "in") for (case, mode), found in rows.items()
+                if case == label(nranks, per_node) for row in found]
+        if mine:
+            topology = Topology.simulated(nranks, per_node or nranks)
+            return fit_terms(machine, [row for row, _ in mine], nranks, topology,
+                             [mode for _, mode in mine])
+    return machine
+
+
 def main(argv=None, out=None) -> int:
     out = sys.stdout if out is None else out
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -306,6 +374,11 @@ def main(argv=None, out=None) -> int:
     parser.add_argument("--measured", metavar="FILE.json", action="append",
                         help="bench rows saved by --save-measured, or a bench --json file "
                              "(repeatable): predict only, run nothing")
+    parser.add_argument("--fit", metavar="FILE.json", action="append",
+                        help="bench rows of ANOTHER run (as --measured, repeatable): fit the "
+                             "machine's per-call and per-step terms to them "
+                             "(model.fit.fit_terms) and judge the fitted model on --measured "
+                             "or this run (held out)")
     parser.add_argument("--in-place", action="store_true",
                         help="run the bench in place (--in-place) instead of out of place")
     parser.add_argument("--save-measured", metavar="FILE.json",
@@ -323,6 +396,8 @@ def main(argv=None, out=None) -> int:
     machine = Machine.load(opts.machine) if opts.machine else DEFAULT_MACHINE
     if opts.calibrate:
         machine = calibrate(opts.calibrate)
+    if opts.fit:
+        machine = fitted(machine, load_measured(opts.fit))
     if opts.measured:
         try:
             measured = load_measured(opts.measured)
@@ -350,7 +425,8 @@ def main(argv=None, out=None) -> int:
                 path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
     records = compare(measured, machine, opts.cores, opts.intra)
     info = machine.info
-    print(f"# machine: {opts.calibrate or opts.machine or 'built-in'} ("
+    print(f"# machine: {opts.calibrate or opts.machine or 'built-in'}"
+          + (f", terms fitted to {', '.join(opts.fit)}" if opts.fit else "") + " ("
           f"{info.get('host', '')} {info.get('date', info.get('source', ''))}, load "
           f"{info.get('load', '?')}); measured: {', '.join(opts.measured or ['this run'])}",
           file=out)
@@ -369,6 +445,7 @@ def main(argv=None, out=None) -> int:
     relative = relative_summary(records)
     if len(relative) > 1:
         print("\n".join(relative), file=out)
+    print("\n".join(as_used(records)[0]), file=out)
     if opts.plot:
         plot(records, opts.plot)
         print(f"# wrote {opts.plot}", file=out)

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                              "reproducible")
     args = parser.parse_args(argv)
     if args.convert:
-        mar.reproducible.PAIR_RANKS = 0
+        mar.reproducible.elementwise.PAIR_RANKS = 0
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(comm.rank)
     lines = [f"# {comm.size} ranks, float64, medians of {args.repeat} interleaved runs "

@@ -926,3 +926,56 @@ def test_the_fast_paths_equal_building_every_rank(monkeypatch, name, p, per_node
         assert fast.link_bytes == full.link_bytes
         assert fast.sent_bytes.tolist() == full.sent_bytes.tolist()
         assert fast.sent_messages.tolist() == full.sent_messages.tolist()
+
+
+# -- the model judged as it is used: fitted terms, ratios and picks (issue 38, item 3) ----------
+
+def test_fit_terms_recovers_the_terms_that_made_the_rows():
+    """Rows predicted by a machine with known per-call and per-step terms: fitting a machine
+    whose terms are wrong to them gives those terms back (no MPI)."""
+    from dataclasses import replace
+
+    from mpiallreduce.model.fit import fit_terms
+
+    truth = replace(RICH, step=1.5e-6, request=0.4e-6, combine=0.8e-6, call=1.2e-6,
+                    native_call=0.9e-6, shm_small=0.7e-6, phased_small=1.1e-6)
+    rows, modes = [], []
+    for name in ("ring", "tree", "recursive_doubling", "rabenseifner", "knomial", "native",
+                 "shm", "cascade", "hierarchical"):
+        for size in (8, 64, 512, 4096):
+            for in_place in (False, True):
+                rows.append({"algorithm": name, "size": size,
+                             "avg_us": predict(name, 2, size, None, truth,
+                                               in_place=in_place).time * 1e6})
+                modes.append(in_place)
+    wrong = replace(truth, step=0.0, request=3e-6, combine=0.0, call=5e-6, native_call=0.0,
+                    shm_small=4e-6, phased_small=None)
+    fitted = fit_terms(wrong, rows, 2, in_place=modes)
+    for term in ("step", "request", "combine", "call", "native_call", "shm_small",
+                 "phased_small"):
+        assert getattr(fitted, term) == pytest.approx(getattr(truth, term), rel=1e-6,
+                                                      abs=1e-12), term
+
+
+def test_as_used_counts_ratios_to_the_measured_best_and_picks():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "predict_vs_measured.py"
+    spec = importlib.util.spec_from_file_location("predict_vs_measured", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def record(size, name, measured, predicted):
+        return {"case": "2", "mode": "out", "size": size, "algorithm": name,
+                "measured_us": measured, "predicted_us": predicted}
+
+    records = [record(8, "a", 10, 1), record(8, "b", 20, 2.4), record(8, "c", 40, 2),
+               record(8, "auto", 10, 1),  # left out
+               record(64, "a", 10, 3), record(64, "b", 10.5, 2), record(64, "c", 30, 4)]
+    lines, figures = script.as_used(records)
+    # 8 B: b's ratio 2.4 against 2 (+20%: in), c's 2 against 4 (-50%: out); 64 B: best is a,
+    # b 0.67 against 1.05 (out), c 1.33 against 3 (out). Picks: a at 8 B (the best), b at 64 B
+    # (within 10% of a)
+    assert figures == {"ratios": 1 / 4, "picks": 1.0}
+    assert lines[-1].split()[-4:] == ["1/4", "(25%)", "2/2", "(100%)"]

@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _exact, reproducible
-from mpiallreduce.reproducible import FORMATS, MAX_CONTRIBUTIONS, _round, check, word_bits
+from mpiallreduce import reproducible
+from mpiallreduce.reproducible import FORMATS, MAX_CONTRIBUTIONS, _exact, _round, check, word_bits
 
 F64, F32 = FORMATS[np.dtype(np.float64)], FORMATS[np.dtype(np.float32)]
 

@@ -145,7 +145,7 @@ def test_two_ranks_sum_unconverted_with_the_bits_of_the_conversion(dtype, monkey
     for op in (MPI.SUM, mar.AVG):
         plain = {name: bits(mar.allreduce(x, None, op=op, algorithm=name, reproducible=True))
                  for name in ("native", "ring", "shm")}
-        monkeypatch.setattr(mar.reproducible, "PAIR_RANKS", 0)
+        monkeypatch.setattr(mar.reproducible.elementwise, "PAIR_RANKS", 0)
         converted = {name: bits(mar.allreduce(x, None, op=op, algorithm=name,
                                               reproducible=True))
                      for name in ("native", "ring", "shm")}
@@ -159,7 +159,7 @@ def test_the_compiled_conversion_gives_the_numpy_bits(dtype, size, monkeypatch):
     """The elementwise conversion compiled (Numba, where installed) and in NumPy, on alternate
     ranks and on all: the same keys and words, so the same bits (forced at every rank count
     with PAIR_RANKS = 0; wide magnitudes, the largest floats, specials, -0, AVG)."""
-    from mpiallreduce import _exact
+    from mpiallreduce.reproducible import _exact
 
     comm = MPI.COMM_WORLD
     wide = REAL[dtype] == np.float64
@@ -167,7 +167,7 @@ def test_the_compiled_conversion_gives_the_numpy_bits(dtype, size, monkeypatch):
     real = x.view(REAL[dtype])
     real[:4] = [np.finfo(real.dtype).max, -0.0, np.finfo(real.dtype).smallest_subnormal,
                 np.inf if comm.rank == comm.size - 1 else 2.0]
-    monkeypatch.setattr(mar.reproducible, "PAIR_RANKS", 0)
+    monkeypatch.setattr(mar.reproducible.elementwise, "PAIR_RANKS", 0)
     found = {}
     for forms in ("compiled", "numpy", "mixed"):
         if forms == "numpy" or (forms == "mixed" and comm.rank % 2):
@@ -563,7 +563,7 @@ def test_sum_over_the_whole_range_is_correctly_rounded():
 def test_ranks_with_and_without_the_compiled_form_agree(monkeypatch, dtype):
     """Odd ranks make their totals with NumPy, even ones compiled (where Numba is installed):
     the totals are exact, so the bits are those of one rank alone."""
-    from mpiallreduce import _exact
+    from mpiallreduce.reproducible import _exact
 
     comm = MPI.COMM_WORLD
     x = global_vector(3 * _exact.BLOCK + 11, dtype, span=40)

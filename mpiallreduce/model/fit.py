@@ -113,3 +113,69 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
             fields[name] = max(0.0, phased[size] - modelled)
         machine = replace(machine, **fields)
     return replace(machine, cores=measured["cores"])
+
+
+#: the terms :func:`fit_terms` fits, each from the rows of the algorithms it is part of and the
+#: sizes where it dominates: the interpreter's (every point-to-point schedule, up to 4 KiB),
+#: native's per call, shm's small regime and the node-phased small regime.
+FITTED = {"interpreter": ("step", "request", "combine", "call"), "native": ("native_call",),
+          "shm": ("shm_small",), "phased": ("phased_small",)}
+#: largest bytes per rank of the rows a fit reads (the terms are per call, per step, per
+#: message: they decide small messages).
+FIT_BYTES = 4 << 10
+
+
+def fit_terms(machine: Machine, rows: Sequence[dict], nranks: int, topology=None,
+              in_place: Sequence[bool] | None = None) -> Machine:
+    """Return ``machine`` with its per-call and per-step terms fitted to measured rows.
+
+    ``rows``: measured calls (``algorithm``, ``size`` in bytes per rank, ``avg_us``), as the
+    bench writes them, all at ``nranks`` ranks on ``topology`` (default one node); ``in_place``
+    per row (default out of place). Each term's predicted effect is linear where it is
+    fitted (the schedules' steps and messages do not change with it), so its coefficient per
+    row is a finite difference of :func:`predict`, and the terms are non-negative least
+    squares over the relative errors (every row weighs alike, whatever its time). Pure: no
+    MPI; fit on one run's rows and judge on another's (``scripts/predict_vs_measured.py
+    --fit``).
+    """
+    from .prediction import SHM
+
+    modes = list(in_place) if in_place is not None else [False] * len(rows)
+    groups = {"interpreter": [], "native": [], "shm": [], "phased": []}
+    for row, mode in zip(rows, modes):
+        name, size = row.get("runs") or row["algorithm"], int(row["size"])
+        if name == "auto" or size > FIT_BYTES or not row.get("avg_us"):
+            continue
+        group = ("native" if name == "native" else "shm" if name == SHM else
+                 "phased" if name in ("hierarchical", "cascade") else "interpreter")
+        groups[group].append((name, size, mode, row["avg_us"] * 1e-6))
+    for group, samples in groups.items():
+        if not samples:
+            continue
+        terms = FITTED[group]
+        zero = replace(machine, **dict.fromkeys(terms, 0.0))
+        design, target = [], []
+        for name, size, mode, seconds in samples:
+            base = predict(name, nranks, size, topology, zero, in_place=mode).time
+            unit = 1e-6
+            coefficients = [(predict(name, nranks, size, topology,
+                                     replace(zero, **{term: unit}), in_place=mode).time - base)
+                            / unit for term in terms]
+            design.append([c / seconds for c in coefficients])
+            target.append((seconds - base) / seconds)
+        values = _nonnegative_least_squares(np.array(design), np.array(target))
+        machine = replace(machine, **{term: float(v) for term, v in zip(terms, values)})
+    return machine
+
+
+def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """min |design x - target| with x >= 0 (active set: drop the most negative, refit)."""
+    active = list(range(design.shape[1]))
+    values = np.zeros(design.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if (solution >= 0).all():
+            values[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return values

@@ -11,10 +11,8 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from mpi4py import MPI  # noqa: F401 - (type hints)
 
 from .. import executor
-from .._waiting import deadline_of  # noqa: F401 - the regimes' closures use it
 from ..executor import _PlanBase, _untraced, flat
 from ..ops import DTYPES
 from . import protocol

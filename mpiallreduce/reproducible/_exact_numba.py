@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from ._exact import _INF_BITS, _NONE, BLOCK, HUGE_EXPONENT, SCALE
+from ._exact_format import _INF_BITS, _NONE, BLOCK, HUGE_EXPONENT, SCALE
 
 _MASK = (1 << 30) - 1
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")

@@ -33,17 +33,12 @@ import warnings
 
 import numpy as np
 
+from ._exact_format import _INF_BITS, _NONE, BLOCK, HUGE_EXPONENT, SCALE  # noqa: F401 - BLOCK: as named here
+
 #: values per NumPy chunk (two 128 KiB work arrays: in L2).
 CHUNK = 1 << 14
-#: values per Numba block (products buffered in 128 KiB).
-BLOCK = 1 << 14
-#: bit patterns: the sign bit, +inf's (anything above, in magnitude, is a NaN).
+#: the sign bit's pattern.
 _SIGN = 1 << 63
-_INF_BITS = 0x7FF0000000000000
-_NONE = -(1 << 63)  # the max of no bit patterns
-#: a value whose block's largest is at or above 2**(HUGE_EXPONENT - 1) is scaled by 2**-SCALE.
-HUGE_EXPONENT = 1001
-SCALE = 128
 #: 30-bit digits of the Numba accumulator: weights 2**(30k - 1074) up to 2**(2160 - 1074).
 DIGITS = 72
 
