@@ -14,6 +14,7 @@ from .. import _form
 from ..ops import exact_sum
 from .node import Node
 from .plan import ShmPlan, _single
+from .protocol import Stalled
 
 #: most ranks of a node whose small-regime runs are compiled (``_compiled.SmallRun`` keeps its
 #: pointers in fixed arrays); larger nodes run the Python form's closures
@@ -39,8 +40,11 @@ class SmallPlan(ShmPlan):
         float SUM/PROD/AVG) are this plan's own methods and bound calls."""
         node = self._node
         slots = tuple(self._slots(parity) for parity in (0, 1))
-        # (the exact sum of reproducible calls stays the bound Python reduce)
-        name = None if self._exact else self.reducer.name
+        # the exact sum of reproducible calls stays the bound Python reduce, and so do the load
+        # and reduce of a plan bound under the stall hook (protocol.STALLS: they hold its
+        # stalls, around the compiled publish and wait)
+        stalled = isinstance(self._phase, Stalled)
+        name = None if self._exact or stalled else self.reducer.name
         return tuple(_form.compiled.SmallRun(
             node, source, self._result, slots, self._signed, self._peer_digests, self._programs,
             self._arrive, self._mismatch, self._label, name, self._average, timed)
