@@ -52,11 +52,12 @@ STEP_TAGS = 4096
 MAX_MESSAGE = 1 << 30
 
 
-#: while tracing, the recorder (:mod:`.tracing`) whose ``program(plan, steps)`` a new Plan
-#: runs instead of its plain flat program (and every Plan is then persistent), and whose
-#: ``marks(plan, transport, regime)`` a plan without a schedule (native, shm) binds its traced
-#: run with; None: untraced.
-TRACER = None
+def __getattr__(name: str):
+    """``executor.TRACER``: the tracer registered in :mod:`._hooks` (``_hooks.tracer``), for
+    modules that still read it here (shm, shm_nodes); new code reads ``_hooks.tracer``."""
+    if name == "TRACER":
+        return _hooks.tracer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
 SINGLE_REQUESTS = 4
@@ -119,7 +120,7 @@ class _PlanBase:
         self._fast: tuple | None = None  # Plan: the run without deadline, flat (see _flatten)
         self._in_flight = None  # the Request of a run started and not yet completed
         self._request = None  # the Request of the last start()
-        self._parked: tuple | None = None  # _fast while a run is in flight
+        self._fast_held: tuple | None = None  # _fast while a run is in flight
         self._engine = None  # what progresses its started runs (set by .nonblocking)
         self._done = None  # a plan without steps: the complete Request of a start (.nonblocking)
         self._requests: list = []  # every persistent request, for free() and the finalizer
@@ -155,17 +156,17 @@ class _PlanBase:
         raise ValueError(f"{what} on a plan with a run in flight (started and not yet "
                          f"completed); wait() for its request first")
 
-    def _take_off(self, request) -> None:
+    def _mark_in_flight(self, request) -> None:
         """Mark a started run in flight: run(), start() and free() refuse until it lands."""
         self._in_flight = request
-        self._parked, self._fast = self._fast, None  # the inline fast path checks nothing
+        self._fast_held, self._fast = self._fast, None  # the inline fast path checks nothing
 
-    def landed(self, ok: bool) -> None:
+    def run_ended(self, ok: bool) -> None:
         """The started run completed (``ok``) or failed: the plan may run again."""
         self._in_flight = None
         if not self._freed and not self._broken:
-            self._fast = self._parked
-        self._parked = None
+            self._fast = self._fast_held
+        self._fast_held = None
 
     def fail(self, reason: str, pending=(), keep=()) -> None:
         """Mark the plan and its communicator unusable, then raise CollectiveTimeout.
@@ -248,7 +249,8 @@ class Plan(_PlanBase):
         self.algorithm = algorithm
         self._label = label or f"{algorithm} allreduce"
         self._layout = layout or Layout.allreduce(recvbuf)
-        persistent = persistent or TRACER is not None  # a traced run is one flat program
+        tracer = _hooks.tracer  # (read once, at binding: an untraced plan never looks again)
+        persistent = persistent or tracer is not None  # a traced run is one flat program
         self._phase = _untraced  # the tracer's hook when bound while tracing (see .tracing)
         self._stepwise: tuple | None = None  # steps()'s program, bound on first use
         self._lean: tuple | None = None  # lean_program's split of _fast, made on first use
@@ -283,8 +285,8 @@ class Plan(_PlanBase):
         if self._average:
             last.append(partial(np.divide, self._result, self._nranks, self._result))
         self._last = tuple(last)
-        if TRACER is not None:  # tracing (.tracing): bound now, so an untraced run never looks
-            self._fast = TRACER.program(self, steps)
+        if tracer is not None:  # tracing (.tracing): bound now, so an untraced run never looks
+            self._fast = tracer.program(self, steps)
         else:
             self._fast = self._flatten() if persistent else None
 
@@ -456,7 +458,11 @@ class Plan(_PlanBase):
 
     def lean_program(self) -> tuple:
         """The split of a run without deadline (untraced, one step at least; not freed, broken
-        or running) that starts it lean: ``(program, head, rest, requests)``. Calling ``head``'s
+        or running) that starts it *lean*: ``(program, head, rest, requests)``.
+
+        A lean start posts the first step from the plan's flat program, with no step
+        generator; a wait that finds nothing else in flight runs the rest of the flat program
+        (the cheapest start and wait), anything else turns it into a stepwise run. Calling ``head``'s
         argument-free calls loads the buffers and starts the first step, whose requests are
         ``requests``; ``rest``'s calls complete the run from there (waited in the caller's
         thread when nothing else is in flight; else the run continues as
@@ -616,8 +622,9 @@ class NativePlan(_PlanBase):
         self._work = None  # what a start without deadline waits for (set by .nonblocking)
         if len(self.pieces) == 1 and not self._average:  # the run without deadline: one call
             self._fast = (partial(comm.Allreduce, *self.pieces[0], self._op),)
-        if TRACER is not None:  # tracing (.tracing): each run one span, bound now
-            self.run = TRACER.marks(self, "native", "one call").around(self.run)
+        tracer = _hooks.tracer
+        if tracer is not None:  # tracing (.tracing): each run one span, bound now
+            self.run = tracer.marks(self, "native", "one call").around(self.run)
 
     def persistent_requests(self) -> list:
         """MPI's own persistent ``Allreduce_init`` requests, one per piece, made on the first
@@ -633,9 +640,9 @@ class NativePlan(_PlanBase):
         if self._average:
             np.divide(self._result, self._nranks, out=self._result)
 
-    def landed(self, ok: bool) -> None:
+    def run_ended(self, ok: bool) -> None:
         """A started run of MPI's persistent request completed: divide for AVG, run again."""
-        super().landed(ok)
+        super().run_ended(ok)
         if ok:
             self.average()
 

@@ -59,7 +59,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import executor
+from . import _hooks, _state
 from .schedule import COPY
 
 #: environment variable naming the trace file of a whole run (written by rank 0 at exit).
@@ -436,13 +436,11 @@ def chrome_trace(gathered: list, offsets: list[int], origin: int | None = None) 
 
 def active() -> Recorder | None:
     """The recorder new plans bind to, or None when tracing is off."""
-    return executor.TRACER
+    return _hooks.tracer
 
 
 def _drop_cached_calls() -> None:
     """Free the cached one-shot plans, so that the next calls bind traced (or plain) ones."""
-    from . import _state
-
     caches = {id(entry.state.calls): entry.state.calls
               for entry in (*_state.CALLS.values(), *_state.SHAPES.values())}
     for cache in caches.values():
@@ -450,16 +448,19 @@ def _drop_cached_calls() -> None:
 
 
 def _begin(recorder: Recorder) -> None:
-    if executor.TRACER is not None:
-        raise ValueError(f"tracing is already on (to {executor.TRACER.path}); one trace at a time")
+    _refuse_second()
     _drop_cached_calls()
-    executor.TRACER = recorder
+    _hooks.register_tracer(recorder)
 
 
 def _end(recorder: Recorder) -> None:
-    if executor.TRACER is recorder:
-        executor.TRACER = None
+    _hooks.unregister_tracer(recorder)
     _drop_cached_calls()
+
+
+def _refuse_second() -> None:
+    if _hooks.tracer is not None:
+        raise ValueError(f"tracing is already on (to {_hooks.tracer.path}); one trace at a time")
 
 
 @contextlib.contextmanager
@@ -476,8 +477,7 @@ def trace(path: str, comm: MPI.Intracomm | None = None):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"trace needs a file name, got {type(path).__name__}")
     world = MPI.COMM_WORLD if comm is None else comm
-    if executor.TRACER is not None:
-        raise ValueError(f"tracing is already on (to {executor.TRACER.path}); one trace at a time")
+    _refuse_second()
     recorder = Recorder(os.fspath(path), world.Dup())
     try:
         recorder.align()
@@ -492,7 +492,7 @@ def trace(path: str, comm: MPI.Intracomm | None = None):
 
 
 def _at_exit(recorder: Recorder) -> None:
-    if MPI.Is_finalized() or executor.TRACER is not recorder:
+    if MPI.Is_finalized() or _hooks.tracer is not recorder:
         return
     _end(recorder)
     recorder.comm = MPI.COMM_WORLD.Dup()  # the alignment's messages never match the user's
@@ -505,10 +505,10 @@ def _at_exit(recorder: Recorder) -> None:
 def _from_environment() -> None:
     """``MPIALLREDUCE_TRACE=FILE``: trace the whole run, written at exit (clocks aligned then)."""
     path = os.environ.get(ENV, "").strip()
-    if not path or executor.TRACER is not None:
+    if not path or _hooks.tracer is not None:
         return
     recorder = Recorder(path, MPI.COMM_WORLD)
-    executor.TRACER = recorder
+    _hooks.register_tracer(recorder)
     atexit.register(_at_exit, recorder)
 
 

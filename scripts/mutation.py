@@ -78,7 +78,7 @@ SHM_TARGETS = sorted(f"{PACKAGE}/shm/{p.name}" for p in (ROOT / PACKAGE / "shm")
 #: the MPI stages of an shm mutant: the stress test (every regime under random stalls), then a
 #: cross-section of the shm tests (regimes, chunks, shared arrays, mismatches, timeouts)
 MPI_SHM_K = ("awkward_counts or chunked or shared or mismatch or times_out or every_op_and_dtype "
-             "or order")
+             "or order or setting_a_constant")
 
 #: algorithm names each algorithms/ module defines (the MPI subset's -k expression)
 ALGORITHM_OF = {"ring.py": ["ring"], "ring_segmented.py": ["ring_segmented"],

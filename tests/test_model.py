@@ -979,3 +979,102 @@ def test_as_used_counts_ratios_to_the_measured_best_and_picks():
     # (within 10% of a)
     assert figures == {"ratios": 1 / 4, "picks": 1.0}
     assert lines[-1].split()[-4:] == ["1/4", "(25%)", "2/2", "(100%)"]
+
+
+# -- heterogeneous networks: levels above the nodes with their own links (issue 38, item 5) -----
+
+SITE = Link(alpha=5e-3, beta=8e-10)
+
+
+def _sites(machine, link=SITE):
+    from dataclasses import replace
+
+    return replace(machine, levels=(("site", link),))
+
+
+def test_a_machine_file_with_levels_round_trips(tmp_path):
+    machine = _sites(RICH)
+    path = tmp_path / "m.json"
+    machine.save(str(path))
+    loaded = Machine.load(str(path))
+    assert loaded == machine and loaded.links[2] == SITE
+    import json
+
+    assert [level["name"] for level in json.loads(path.read_text())["levels"]] == ["site"]
+
+
+@pytest.mark.parametrize("levels, message", [
+    ({"site": 1}, "must be a list"),
+    ([{"alpha": 1e-3, "beta": 1e-9}], "machine level 0"),
+    ([{"name": "site", "beta": 1e-9}], "lacks 'alpha'"),
+    ([{"name": "site", "alpha": 1e-3, "beta": -1}], "beta must be a number >= 0"),
+    ([{"name": n, "alpha": 1e-3, "beta": 1e-9} for n in ("rack", "site", "planet")],
+     "at most 2"),
+])
+def test_a_bad_levels_entry_is_refused_with_the_reason(levels, message):
+    data = {**RICH.to_dict(), "levels": levels}
+    with pytest.raises(ValueError, match=message):
+        Machine.from_dict(data)
+
+
+ALL = ["ring", "ring_segmented", "tree", "knomial", "recursive_doubling", "rabenseifner",
+       "cascade", "hierarchical", "native"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_levels_collapse_to_the_two_level_model(name):
+    """A site link equal to the network, or a topology without sites, gives the two-level
+    machine's numbers."""
+    sites = Topology.simulated(32, 4, 2)  # 4 sites of 2 nodes of 4 ranks
+    nodes = Topology.simulated(32, 4)
+    for size in (8, 4096, 1 << 20):
+        # the same topology (cascade's schedule follows its levels): equal links, same numbers
+        two = predict(name, 32, size, sites, RICH).time
+        assert predict(name, 32, size, sites, _sites(RICH, RICH.inter)).time == \
+            pytest.approx(two, rel=1e-12)
+        # a machine with a site link on a topology without sites: the site link is unused
+        assert predict(name, 32, size, nodes, _sites(RICH)).time == \
+            pytest.approx(predict(name, 32, size, nodes, RICH).time, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_slower_site_link_never_makes_a_run_faster(name):
+    sites = Topology.simulated(32, 4, 2)
+    for size in (8, 4096, 1 << 20):
+        times = [predict(name, 32, size, sites, _sites(RICH, Link(alpha, beta))).time
+                 for alpha, beta in ((2e-6, 8e-11), (1e-4, 8e-11), (1e-4, 1e-9), (5e-3, 1e-9))]
+        assert times == sorted(times), (size, times)
+
+
+@pytest.mark.parametrize("name", ["ring", "ring_segmented", "tree", "recursive_doubling",
+                                  "rabenseifner", "knomial"])
+def test_sites_fast_paths_equal_building_every_rank(name):
+    sites = Topology.simulated(24, 4, 3)  # 2 sites of 3 nodes of 4
+    machine = _sites(RICH)
+    # counts p divides, or below p: where one clock per class is exact (see the module doc)
+    for count in (5, 23, 24, 960):
+        fast = predict(name, 24, count * 4, sites, machine)
+        full = predict(name, 24, count * 4, sites, machine, symmetric=False)
+        assert fast.time == pytest.approx(full.time, rel=1e-9)
+        assert fast.link_messages == full.link_messages and len(fast.link_messages) == 3
+        assert fast.link_messages[2] > 0  # something crossed the sites
+
+
+def test_hierarchical_and_cascade_cross_sites_on_the_site_link():
+    """Their cross phase is among one rank per node: messages between those of one site take
+    the network, those between sites the site link; so a slow site link costs cascade (whose
+    coarse level runs inside each site first) at most what it costs hierarchical's flat inner
+    allreduce over all nodes."""
+    sites = Topology.simulated(64, 8, 4)  # 2 sites of 4 nodes
+    for name in ("hierarchical", "cascade"):
+        fast = predict(name, 64, 1 << 20, sites, _sites(RICH, RICH.inter)).time
+        slow = predict(name, 64, 1 << 20, sites, _sites(RICH)).time
+        assert slow > fast + SITE.alpha  # at least one message crossed the slow link
+
+
+def test_predict_with_sites_needs_a_machine_with_levels(capsys):
+    from mpiallreduce.model.cli import main
+
+    assert main(["predict", "--ranks", "16", "--ranks-per-node", "4", "--nodes-per-site", "2",
+                 "--sizes", "8:8"]) == 2
+    assert "needs a machine file with \"levels\"" in capsys.readouterr().err

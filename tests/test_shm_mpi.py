@@ -652,3 +652,16 @@ def test_a_missing_rank_times_out_a_checked_cached_call(monkeypatch):
     messages = world.allgather(message)
     assert all("no answer from rank(s) 0 in step 0" in m for m in messages[1:]), messages
     comm.Free()
+
+
+def test_setting_a_constant_of_the_package_sets_it_where_it_is_read(monkeypatch):
+    """``shm.X = value`` (as tests patch CLOSE_SECONDS, CHUNK_BYTES, FENCE, STALLS) sets the
+    package's name and the room's that reads it; names of no room stay the package's own."""
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 2.5)
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)
+    assert shm.CLOSE_SECONDS == shm.node.CLOSE_SECONDS == 2.5
+    assert shm.CHUNK_BYTES == shm.protocol.CHUNK_BYTES == 4096
+    assert shm.chunk_bytes(1) == 4096
+    monkeypatch.undo()
+    assert shm.node.CLOSE_SECONDS == shm.CLOSE_SECONDS == 10.0
+    assert shm.protocol.CHUNK_BYTES == 512 << 10

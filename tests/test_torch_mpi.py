@@ -127,9 +127,19 @@ def test_compress_hooks_equal_pytorchs(state, hook, dtype, exact):
                          ours.view(torch.uint8).numpy())
 
 
-def test_buckets_in_flight_together_and_rebuilt(state):
-    """Several buckets queued before any wait complete each with its own result; a bucket
-    index whose buffer changes (DDP rebuilds buckets after its first step) binds again."""
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "native"])
+def test_buckets_in_flight_together_and_rebuilt(algorithm):
+    """Several buckets queued before any wait complete each with its own result (a schedule's
+    or MPI's requests in flight together; shm's complete at their start); a bucket index whose
+    buffer changes (DDP rebuilds buckets after its first step) binds again."""
+    state = mart.State(WORLD, algorithm=algorithm, abort_on_error=False)
+    try:
+        _in_flight_and_rebuilt(state)
+    finally:
+        state.free()
+
+
+def _in_flight_and_rebuilt(state):
     buffers = [_contribution(n, torch.float32, True, seed=i) for i, n in enumerate((5, 7, 300))]
     futures = [mart.allreduce_hook(state, Bucket(i, b.clone())) for i, b in enumerate(buffers)]
     problems = []

@@ -28,7 +28,7 @@ from conftest import (
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import algorithms, executor, shm, tracing
+from mpiallreduce import _hooks, algorithms, shm, tracing
 
 SCHEDULES = list(algorithms.REGISTRY)  # shm and native have no steps to trace
 REQUIRED = ("name", "ph", "ts", "dur", "pid", "tid")
@@ -200,7 +200,7 @@ def test_one_shot_calls_nonblocking_and_collectives_are_traced(tmp_path):
         assert np.allclose(block, total[lo:hi])
         timed = mar.allreduce(x, comm=comm, algorithm="ring", timeout=30)  # stepwise, traced too
         assert_matches_native(comm, x, timed, MPI.SUM)
-    assert executor.TRACER is None
+    assert _hooks.tracer is None
     mar.allreduce(x, out, comm=comm, algorithm="recursive_doubling")  # untraced again
     assert_matches_native(comm, x, out, MPI.SUM)
     expected = (["recursive_doubling allreduce"] * 2 + ["ring allreduce", "rabenseifner allreduce",

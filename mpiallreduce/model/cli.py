@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--ranks", type=_positive_int, required=True, metavar="P")
     pred.add_argument("--ranks-per-node", type=_positive_int, default=None, metavar="K",
                       help="consecutive ranks per node (default: all on one node)")
+    pred.add_argument("--nodes-per-site", type=_positive_int, default=None, metavar="N",
+                      help="consecutive nodes per site (or rack): a level above the nodes, whose "
+                           "messages take the machine file's first level link (\"levels\")")
     pred.add_argument("--sizes", default="8:1G", metavar="MIN:MAX",
                       help="bytes per rank, every power of two in between (K/M/G; default 8:1G)")
     pred.add_argument("--algorithms", default="all", metavar="LIST",
@@ -104,11 +107,12 @@ def _algorithms(text: str, commutative: bool, machine: Machine | None = None) ->
 def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
                   names: Sequence[str], machine: Machine, dtype="float32",
                   commutative: bool = True, in_place: bool = False,
-                  intra: str = "auto") -> list[dict]:
+                  intra: str = "auto", nodes_per_site: int | None = None) -> list[dict]:
     """Return one row per (size, algorithm): time, busbw, winner flag (the fastest of the
-    size, native included), messages, inter bytes; ``intra`` for the algorithms that take it
-    (hierarchical, cascade)."""
-    topology = Topology.simulated(nranks, ranks_per_node or nranks)
+    size, native included), messages, bytes between nodes (every link class above the
+    node's); ``intra`` for the algorithms that take it (hierarchical, cascade);
+    ``nodes_per_site``: a level of consecutive nodes above them."""
+    topology = Topology.simulated(nranks, ranks_per_node or nranks, nodes_per_site)
     itemsize = np.dtype(dtype).itemsize
     rows = []
     for size in sizes:
@@ -135,7 +139,7 @@ def predict_table(nranks: int, ranks_per_node: int | None, sizes: Sequence[int],
             rows.append({"size": size, "algorithm": result.name, "time_us": result.time * 1e6,
                          "busbw_gbs": result.busbw / 1e9, "steps": result.steps,
                          "vs_native": native / result.time if native and result.time else None,
-                         "inter_bytes_per_rank": result.link_bytes[INTER] / nranks,
+                         "inter_bytes_per_rank": sum(result.link_bytes[INTER:]) / nranks,
                          "winner": result.name == best, "partition": result.partition})
     return rows
 
@@ -195,8 +199,12 @@ def _run_predict(opts, out) -> int:
         machine = replace(machine, switch=SWITCHES[opts.switch])
     names = _algorithms(opts.algorithms, not opts.non_commutative, machine)
     start = time.perf_counter()
+    if opts.nodes_per_site is not None and not machine.levels:
+        raise ValueError("--nodes-per-site needs a machine file with \"levels\" (the link "
+                         "between sites): without one every message between nodes takes inter")
     rows = predict_table(opts.ranks, opts.ranks_per_node, sizes, names, machine, dtype,
-                         not opts.non_commutative, opts.in_place, opts.intra)
+                         not opts.non_commutative, opts.in_place, opts.intra,
+                         opts.nodes_per_site)
     source = machine.info.get("host") or machine.info.get("source", "")
     print(f"# mpiallreduce.model: {opts.ranks} ranks, {opts.ranks_per_node or opts.ranks} per "
           f"node, {dtype.name}; machine: {opts.machine or 'built-in'} ({source})", file=out)
@@ -207,6 +215,11 @@ def _run_predict(opts, out) -> int:
           f"call {machine.call * 1e6:.2f} us"
           + ("; measured link curves" if machine.intra.curve or machine.inter.curve else ""),
           file=out)
+    for name, link in machine.levels:
+        print(f"# level {name}: alpha {link.alpha * 1e6:.2f} us, beta {link.beta:.3g} s/B"
+              + (f" ({opts.nodes_per_site} nodes per {name})" if opts.nodes_per_site else
+                 " (unused: no --nodes-per-site)") + f"; source: "
+              f"{machine.info.get('levels_source', 'the machine file')}", file=out)
     print("# busbw = size/time*2(p-1)/p (GB/s); vs_native = native/time; * marks the fastest "
           "of the size, native included", file=out)
     print(f"# native: Open MPI 5.0 coll/tuned's fixed decision table in C ("

@@ -9,6 +9,9 @@ import numpy as np
 
 INTRA, INTER = 0, 1
 LINK_NAMES = ("intra", "inter")
+#: most link classes a machine describes: the node, the network, and up to two levels above
+#: it (a rack, a site), each with its own link.
+MAX_CLASSES = 4
 
 
 def _points(value, what: str, positive_x: bool = True) -> tuple[tuple[int, float], ...] | None:
@@ -214,6 +217,11 @@ class Machine:
             on a node than it has cores is refused (:class:`Oversubscribed`): ranks then wait
             for a time slice, which no term of the model describes.
         info: where the numbers come from (MPI library, host, date); not compared.
+        levels: ``((name, Link), ...)``: links above the network, finer first (a rack, then a
+            site): a message between ranks in different units of a topology's level k
+            (``Topology.levels[k]``, k >= 1) takes ``levels[k - 1]``'s link (the coarsest level
+            at which they differ decides). Empty: every message between nodes takes
+            ``inter``, whatever levels the topology has.
     """
 
     intra: Link
@@ -237,8 +245,15 @@ class Machine:
     phased_small: float | None = None
     phased_large: float | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
+    levels: tuple[tuple[str, Link], ...] = ()
 
     def __post_init__(self):
+        levels = self.levels
+        if not isinstance(levels, tuple) or len(levels) > MAX_CLASSES - 2 or any(
+                not isinstance(level, tuple) or len(level) != 2 or not isinstance(level[0], str)
+                or not isinstance(level[1], Link) for level in levels):
+            raise ValueError(f"machine levels must be at most {MAX_CLASSES - 2} (name, Link) "
+                             f"pairs above the network, got {levels!r}")
         if self.cores is not None and (isinstance(self.cores, bool)
                                        or not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"machine cores must be a positive integer (per node) or None, "
@@ -267,8 +282,13 @@ class Machine:
             return self.copy + 0.0 * np.asarray(nbytes, dtype=float)
         return _interpolate(self.copy_curve, nbytes, log=True)
 
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """Every link class: intra-node, the network, then each level's (finer first)."""
+        return (self.intra, self.inter, *(link for _, link in self.levels))
+
     def link(self, kind: int) -> Link:
-        return self.inter if kind == INTER else self.intra
+        return self.links[kind]
 
     def gamma_for(self, dtype) -> float:
         """Seconds per reduced byte for ``dtype`` (float32's value for dtypes not calibrated)."""
@@ -292,7 +312,8 @@ class Machine:
                 "node_bandwidth": self.node_bandwidth, "node_curve": curve(self.node_curve),
                 "phased_small": self.phased_small, "phased_large": self.phased_large,
                 "cores": self.cores,
-                "switch": None if self.switch is None else asdict(self.switch), "info": self.info}
+                "switch": None if self.switch is None else asdict(self.switch), "info": self.info,
+                "levels": [{"name": name, **link.to_dict()} for name, link in self.levels]}
 
     @classmethod
     def from_dict(cls, data: dict) -> Machine:
@@ -314,7 +335,20 @@ class Machine:
             except TypeError as error:
                 raise ValueError(f"machine switch: {error} (it needs alpha, hop, beta, chunk, "
                                  f"limit, radix)") from None
-        return cls(intra, inter, gamma, step=float(data.get("step", 0.0)),
+        levels = data.get("levels", [])
+        if not isinstance(levels, list):
+            raise ValueError(f"machine levels must be a list of {{name, alpha, beta}}, finer "
+                             f"first, got {levels!r}")
+        parsed = []
+        for index, level in enumerate(levels):
+            if not isinstance(level, dict) or not isinstance(level.get("name"), str):
+                raise ValueError(f"machine level {index}: expected {{\"name\": ..., \"alpha\": "
+                                 f"s, \"beta\": s/B}}, got {level!r}")
+            try:
+                parsed.append((level["name"], Link.from_dict(level)))
+            except (KeyError, TypeError) as error:
+                raise ValueError(f"machine level {level['name']!r} lacks {error}") from None
+        return cls(intra, inter, gamma, step=float(data.get("step", 0.0)), levels=tuple(parsed),
                    call=float(data.get("call", 0.0)), copy=float(data.get("copy", 0.0)),
                    native_call=float(data.get("native_call", 0.0)),
                    cores=None if cores is None else int(cores), switch=switch,

@@ -86,6 +86,7 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
                                     params)
     count = int(nbytes) // itemsize
     key = tuple(sorted(params.items()))
+    nclasses = len(machine.links)
     parts = _base_parts(name, nranks, count) if symmetric and nranks > 1 and count else None
     costs = _Costs(machine, np.dtype(dtype).name, bool(in_place), count * itemsize)
     if parts is not None:
@@ -95,15 +96,16 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
                                                           itemsize, costs)
             label = "every rank (rotated, busy ranks only)"
         else:
-            table = _table(name, nranks, topology, itemsize, key, parts)
+            table = _table(name, nranks, topology, itemsize, key, parts, nclasses)
             finish, totals, steps = _simulate_table(table, count, itemsize, costs)
             label = "every rank (slot spans)"
         return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
                           finish.copy(), *totals, steps, label)
-    quotient = _quotient(name, nranks, count, topology, itemsize, key, symmetric)
+    quotient = _quotient(name, nranks, count, topology, itemsize, key, symmetric, nclasses)
     clocks = _run(quotient, costs)
     class_of = np.asarray(quotient.class_of)
     sent_bytes, sent_messages, link_bytes, link_messages, pairs, steps = _counts(quotient)
+    link_bytes, link_messages = link_bytes[:nclasses], link_messages[:nclasses]
     finish = clocks[class_of] if len(clocks) else np.zeros(nranks)
     total = float(finish.max()) + machine.call if finish.size else machine.call
     return Prediction(name, nranks, int(nbytes), total, finish, sent_bytes[class_of],
@@ -243,14 +245,24 @@ def _cross(name: str, group: int, nbytes: int, topology: Topology, machine: Mach
     has them (their units become the nodes, the inter link inside them too)."""
     if group <= 1 or not nbytes:
         return None
+    first = [unit[0] for unit in topology.members]  # local rank 0 of every node: a group
     if name == "cascade" and len(topology.levels) > 1:
-        first = [unit[0] for unit in topology.members]  # local rank 0 of every node: a group
+        # the next level's units become the nodes: the network is their intra-node link, the
+        # next level's link (if the machine has one) their network
         coarse = Topology.from_levels(*[[level[rank] for rank in first]
                                         for level in topology.levels[1:]])
-        return predict("cascade", group, nbytes, coarse, replace(machine, intra=machine.inter),
-                       dtype, inner=inner, intra="p2p")
+        shifted = replace(machine, intra=machine.inter,
+                          inter=machine.levels[0][1] if machine.levels else machine.inter,
+                          levels=machine.levels[1:])
+        return predict("cascade", group, nbytes, coarse, shifted, dtype, inner=inner,
+                       intra="p2p")
     accepted = algorithms.REGISTRY[inner].params  # an order-keeping inner may take ordered=
-    return predict(inner, group, nbytes, Topology.simulated(group, 1), machine, dtype,
+    # one rank per node; the coarser levels kept, so messages between racks or sites take
+    # their links where the machine gives them
+    leaders = Topology.from_levels(list(range(group)),
+                                   *[[level[rank] for rank in first]
+                                     for level in topology.levels[1:]])
+    return predict(inner, group, nbytes, leaders, machine, dtype,
                    **({"ordered": True} if ordered and "ordered" in accepted else {}))
 
 

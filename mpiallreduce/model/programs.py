@@ -7,7 +7,6 @@ package documentation for when each is used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,7 +16,7 @@ from .. import algorithms
 from ..errors import ScheduleError
 from ..schedule import REDUCE
 from ..topology import Topology
-from .machine import INTER, INTRA
+from .machine import MAX_CLASSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +39,8 @@ def _cost_step(sends, recvs, reduced: int, intern: dict, combines: int = 0) -> _
     key = (sends, recvs, reduced, combines)
     found = intern.get(key)
     if found is None:
-        count, volume, rcount, rvolume = [0, 0], [0, 0], [0, 0], [0, 0]
+        count, volume = [0] * MAX_CLASSES, [0] * MAX_CLASSES
+        rcount, rvolume = [0] * MAX_CLASSES, [0] * MAX_CLASSES
         for _, nbytes, link in sends:
             if nbytes:
                 count[link] += 1
@@ -55,7 +55,28 @@ def _cost_step(sends, recvs, reduced: int, intern: dict, combines: int = 0) -> _
     return found
 
 
-def _compile(steps, rank: int, node: Sequence[int], itemsize: int, intern: dict
+def _places(topology: Topology, nclasses: int = 2) -> tuple[tuple[int, ...], ...]:
+    """The levels of ``topology`` that decide a message's link class among ``nclasses``: the
+    node, then up to ``nclasses - 2`` coarser levels (a rack, a site)."""
+    return topology.levels[:max(1, nclasses - 1)]
+
+
+def _link(places, rank: int, peer: int) -> int:
+    """Link class of a message between ``rank`` and ``peer``: 0 on one node, else 1 plus the
+    coarser levels at which they differ (levels nest, so the coarsest one decides)."""
+    return sum(level[rank] != level[peer] for level in places)
+
+
+def _links(places, ranks: np.ndarray, peers: np.ndarray) -> np.ndarray:
+    """:func:`_link` of arrays of ranks and peers."""
+    found = np.zeros(len(ranks), dtype=np.int64)
+    for level in places:
+        level = np.asarray(level)
+        found += level[ranks] != level[peers]
+    return found
+
+
+def _compile(steps, rank: int, places, itemsize: int, intern: dict
              ) -> list[_CostStep | None]:
     """Reduce one rank's steps to cost steps (``None`` for an empty step).
 
@@ -63,24 +84,22 @@ def _compile(steps, rank: int, node: Sequence[int], itemsize: int, intern: dict
     apart by identity.
     """
     program: list[_CostStep | None] = []
-    mine = node[rank]
     for step in steps:
         if not step:
             program.append(None)
             continue
-        sends = tuple([(s.peer, (s.stop - s.start) * itemsize, INTER if node[s.peer] != mine
-                        else INTRA) for s in step.sends])
-        recvs = tuple([(r.peer, (r.stop - r.start) * itemsize, INTER if node[r.peer] != mine
-                        else INTRA) for r in step.recvs])
+        sends = tuple([(s.peer, (s.stop - s.start) * itemsize, _link(places, rank, s.peer))
+                       for s in step.sends])
+        recvs = tuple([(r.peer, (r.stop - r.start) * itemsize, _link(places, rank, r.peer))
+                       for r in step.recvs])
         reduced = sum([r.stop - r.start for r in step.recvs if r.action == REDUCE]) * itemsize
         combines = sum([1 for r in step.recvs if r.action == REDUCE and r.stop > r.start])
         program.append(_cost_step(sends, recvs, reduced, intern, combines))
     return program
 
 
-def _rotate(program, rank: int, nranks: int, node: Sequence[int], intern: dict, memo: dict):
+def _rotate(program, rank: int, nranks: int, places, intern: dict, memo: dict):
     """Rank 0's cost program as rank ``rank``'s in a rotation-invariant schedule (peers + rank)."""
-    mine = node[rank]
     rotated = []
     for cost in program:
         if cost is None:
@@ -90,7 +109,7 @@ def _rotate(program, rank: int, nranks: int, node: Sequence[int], intern: dict, 
         found = memo.get(key)
         if found is None:
             def moved(messages):
-                return tuple((peer, nbytes, INTER if node[peer] != mine else INTRA)
+                return tuple((peer, nbytes, _link(places, rank, peer))
                              for peer, nbytes in (((rank + p) % nranks, b)
                                                   for p, b, _ in messages))
             found = memo[key] = _cost_step(moved(cost.sends), moved(cost.recvs), cost.reduced,
@@ -114,14 +133,28 @@ class _Quotient:
         return len(self.reps) == len(self.class_of)
 
 
-def _partitions(topology: Topology, rotation: bool = False):
+def _partitions(topology: Topology, rotation: bool = False, nclasses: int = 2):
     """Candidate partitions, coarsest first: (label, class of every rank).
 
     For a rotation-invariant schedule only the one that fits the topology: one class when every
     link is of one kind (one node, or one rank per node), ranks of equal local index on nodes
     of equal size, else none (every rank is simulated, each program rotated from rank 0's).
+    Where the machine gives levels above the network their own links (``nclasses`` > 2) and
+    the topology has them: ranks of equal index within their coarsest unit (a site), on
+    units of equal size, checked as a quotient like any other partition.
     """
     nranks = topology.nranks
+    places = _places(topology, nclasses)
+    if len(places) > 1:
+        coarsest = places[-1]
+        members: dict = {}
+        for rank, unit in enumerate(coarsest):
+            members.setdefault(unit, []).append(rank)
+        if len({len(m) for m in members.values()}) == 1 and all(
+                m == list(range(m[0], m[0] + len(m))) for m in members.values()):
+            yield "position in the coarsest level", tuple(
+                rank - members[coarsest[rank]][0] for rank in range(nranks))
+        return
     sizes = set(topology.node_sizes)
     uniform = topology.nnodes == 1 or sizes == {1}
     if not rotation or uniform:
@@ -168,11 +201,12 @@ def _builder_params(name: str, itemsize: int, params: dict) -> dict:
 
 @lru_cache(maxsize=512)
 def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: int,
-              params: tuple, symmetric: bool) -> _Quotient:
-    """Build the cost programs of ``name``: a representative per class, or every rank."""
+              params: tuple, symmetric: bool, nclasses: int = 2) -> _Quotient:
+    """Build the cost programs of ``name``: a representative per class, or every rank
+    (messages in ``nclasses`` link classes, :func:`_link`)."""
     algorithm = algorithms.get(name)
     merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
-    node = topology.node
+    places = _places(topology, nclasses)
     built: dict[int, list] = {}
     intern: dict = {}
     memo: dict = {}
@@ -180,14 +214,15 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
     def program(rank: int):
         if rank not in built:
             if name in ROTATION_INVARIANT and rank and symmetric:
-                built[rank] = _rotate(program(0), rank, nranks, node, intern, memo)
+                built[rank] = _rotate(program(0), rank, nranks, places, intern, memo)
             else:
                 steps = algorithm.steps(rank, nranks, count, topology=topology, **merged)
-                built[rank] = _compile(steps, rank, node, itemsize, intern)
+                built[rank] = _compile(steps, rank, places, itemsize, intern)
         return built[rank]
 
     if symmetric:
-        for label, labels in _partitions(topology, name in ROTATION_INVARIANT):
+        multilevel = len(places) > 1
+        for label, labels in _partitions(topology, name in ROTATION_INVARIANT, nclasses):
             ids: dict = {}
             class_of = tuple(ids.setdefault(label_, len(ids)) for label_ in labels)
             reps = [0] * len(ids)
@@ -198,7 +233,8 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
             programs = [program(rep) for rep in reps]
             # rotation moves ranks of one local index onto each other and keeps the links;
             # only block sizes may differ (by one element), so no check
-            if name in ROTATION_INVARIANT or _consistent(programs, class_of):
+            if (name in ROTATION_INVARIANT and not multilevel) or _consistent(programs,
+                                                                             class_of):
                 return _Quotient(tuple(reps), class_of, tuple(sizes),
                                  tuple(tuple(p) for p in programs), label)
     programs = tuple(tuple(program(rank)) for rank in range(nranks))
@@ -245,11 +281,11 @@ class _Table:
 
 @lru_cache(maxsize=32)
 def _table(name: str, nranks: int, topology: Topology, itemsize: int, params: tuple,
-           parts: int) -> _Table:
+           parts: int, nclasses: int = 2) -> _Table:
     """Build every rank's program once at ``count = parts`` and keep it as slot ranges."""
     algorithm = algorithms.get(name)
     merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
-    node = topology.node
+    places = _places(topology, nclasses)
     programs = [algorithm.steps(rank, nranks, parts, topology=topology, **merged)
                 for rank in range(nranks)]
     length = max((len(p) for p in programs), default=0)
@@ -261,10 +297,8 @@ def _table(name: str, nranks: int, topology: Topology, itemsize: int, params: tu
             if k >= len(program) or not program[k]:
                 continue
             active[k, rank] = True
-            mine = node[rank]
             for s in program[k].sends:
-                out.append((rank, s.peer, INTER if node[s.peer] != mine else INTRA,
-                            s.start, s.stop))
+                out.append((rank, s.peer, _link(places, rank, s.peer), s.start, s.stop))
             for r in program[k].recvs:
                 if r.action == REDUCE:
                     red.append((rank, r.start, r.stop))

@@ -12,8 +12,8 @@ import numpy as np
 from ..errors import ScheduleError
 from ..ops import SCRATCH_COMBINE
 from ..topology import Topology
-from .machine import INTER, INTRA, Machine
-from .programs import _Quotient, _span_sizes, _Table
+from .machine import INTRA, MAX_CLASSES, Machine
+from .programs import _links, _places, _Quotient, _span_sizes, _Table
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,16 @@ class _Costs:
 
     @property
     def links(self):
-        return (self.machine.intra, self.machine.inter)
+        return self.machine.links
 
     def message(self, nbytes, link):
         """Seconds of messages of ``nbytes`` on ``link`` (arrays of equal shape, or scalars)."""
-        intra, inter = self.links
-        if intra == inter:
-            return intra.cost(nbytes)
-        return np.where(np.asarray(link) == INTER, inter.cost(nbytes), intra.cost(nbytes))
+        links = self.links
+        if all(other == links[0] for other in links[1:]):
+            return links[0].cost(nbytes)
+        link = np.asarray(link)
+        return np.select([link == kind for kind in range(len(links))],
+                         [other.cost(nbytes) for other in links])
 
     def cpu(self, requests):
         """Seconds of Python before a step's messages: the step and its requests."""
@@ -66,8 +68,11 @@ def _exchange(ready: np.ndarray, sender, receiver, link, nbytes, costs: _Costs) 
     if len(sender) == 0:
         return end
     cost = costs.message(nbytes, link)
+    # two ports per rank: shared memory, and the network card every link above the node
+    # shares (a message to another site leaves through the same port as one to the next node)
+    port = np.minimum(link, 1)
     size = 2 * len(ready)
-    send_port, recv_port = sender * 2 + link, receiver * 2 + link
+    send_port, recv_port = sender * 2 + port, receiver * 2 + port
     send_load = np.bincount(send_port, weights=cost, minlength=size)
     recv_load = np.bincount(recv_port, weights=cost, minlength=size)
     finish = (np.maximum(ready[sender], ready[receiver])
@@ -82,12 +87,13 @@ def _exchange(ready: np.ndarray, sender, receiver, link, nbytes, costs: _Costs) 
 PAIRS_RANKS = 512
 
 
-def _totals(nranks: int, sender, receiver, link, nbytes):
-    """(sent bytes, sent messages per rank, link bytes, link messages, pairs) of message arrays."""
+def _totals(nranks: int, sender, receiver, link, nbytes, nclasses: int = 2):
+    """(sent bytes, sent messages per rank, link bytes, link messages, pairs) of message arrays
+    (link bytes and messages per link class)."""
     sent_bytes = np.bincount(sender, weights=nbytes, minlength=nranks).astype(np.int64)
     sent_messages = np.bincount(sender, minlength=nranks).astype(np.int64)
-    link_bytes = tuple(int(nbytes[link == kind].sum()) for kind in (INTRA, INTER))
-    link_messages = tuple(int((link == kind).sum()) for kind in (INTRA, INTER))
+    link_bytes = tuple(int(nbytes[link == kind].sum()) for kind in range(nclasses))
+    link_messages = tuple(int((link == kind).sum()) for kind in range(nclasses))
     pairs = None
     if nranks <= PAIRS_RANKS:
         keys = sender * nranks + receiver
@@ -121,7 +127,8 @@ def _simulate_table(table: _Table, count: int, itemsize: int, costs: _Costs
         combines = np.bincount(rank, weights=spans > 0, minlength=nranks)
         clock = np.where(active, end + costs.reduce(reduced, combines), clock)
     steps = int(table.active.sum(axis=0).max()) if table.active.size else 0
-    return clock, _totals(nranks, *map(np.concatenate, zip(*messages))), steps
+    return clock, _totals(nranks, *map(np.concatenate, zip(*messages)),
+                          len(costs.links)), steps
 
 
 @lru_cache(maxsize=64)
@@ -137,7 +144,8 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
     and only the busy ranks are touched. Cached on rank 0's program, so the segmented ring
     with one piece per block reuses the ring's run.
     """
-    node = np.asarray(topology.node)
+    nclasses = len(costs.links)
+    places = _places(topology, nclasses)
     request = costs.machine.request
     relative = np.zeros(nranks)
     # rank indices twice over: the senders of a step, (j - slot) mod p for the blocks j, are the
@@ -150,9 +158,11 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
         sender = around[start:start + count]
         receiver = around[start + shift:start + shift + count]
         if offset not in message:
-            crosses = node != node[(np.arange(nranks) + offset) % nranks]
-            message[offset] = np.where(crosses, float(costs.message(itemsize, INTER)),
-                                       float(costs.message(itemsize, INTRA)))
+            ranks = np.arange(nranks)
+            classes = _links(places, ranks, (ranks + offset) % nranks)
+            per_class = np.array([float(costs.message(itemsize, kind))
+                                  for kind in range(nclasses)])
+            message[offset] = per_class[classes]
         # the count blocks are distinct and fewer than p, so no rank sends (or receives) two of
         # them in one step: plain fancy indexing, no ufunc.at
         if request:  # a busy rank starts and waits its send and its receive
@@ -164,10 +174,11 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
         if reduces:
             relative[receiver] += reduce_cost
     return (relative + len(base) * costs.machine.step,
-            _ring_totals(base, nranks, count, node, itemsize), len(base))
+            _ring_totals(base, nranks, count, places, itemsize, nclasses), len(base))
 
 
-def _ring_totals(base: tuple, nranks: int, count: int, node: np.ndarray, itemsize: int):
+def _ring_totals(base: tuple, nranks: int, count: int, places, itemsize: int,
+                 nclasses: int = 2):
     """:func:`_totals` of the sparse ring's messages: each step's senders are a cyclic range
     of ``count`` ranks, so the counts come from difference and prefix sums over the ranks
     (O(steps + p)) instead of one entry per message (O(steps x count)); every message
@@ -176,23 +187,27 @@ def _ring_totals(base: tuple, nranks: int, count: int, node: np.ndarray, itemsiz
         blocks = np.arange(count)
         sender = np.concatenate([(blocks - slot) % nranks for _, slot, _ in base])
         receiver = np.concatenate([(blocks - slot + offset) % nranks for offset, slot, _ in base])
-        link = (node[sender] != node[receiver]).astype(np.int64)
-        return _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64))
+        link = _links(places, sender, receiver)
+        return _totals(nranks, sender, receiver, link, np.full(len(sender), itemsize, np.int64),
+                       nclasses)
     starts = np.array([-slot % nranks for _, slot, _ in base], dtype=np.int64)
     edges = np.zeros(2 * nranks + 1, dtype=np.int64)
     np.add.at(edges, starts, 1)
     np.add.at(edges, starts + count, -1)
     running = np.cumsum(edges)[:2 * nranks]
     sent_messages = running[:nranks] + running[nranks:]
-    inter = 0
+    messages = [0] * nclasses
+    ranks = np.arange(nranks)
     for offset in {offset for offset, _, _ in base}:
-        crosses = (node != node[(np.arange(nranks) + offset) % nranks]).astype(np.int64)
-        prefix = np.concatenate([[0], np.cumsum(np.concatenate([crosses, crosses]))])
+        classes = _links(places, ranks, (ranks + offset) % nranks)
         mine = starts[[o == offset for o, _, _ in base]]
-        inter += int((prefix[mine + count] - prefix[mine]).sum())
-    total = len(base) * count
-    return (sent_messages * itemsize, sent_messages, ((total - inter) * itemsize, inter * itemsize),
-            (total - inter, inter), None)
+        for kind in range(1, nclasses):
+            hits = (classes == kind).astype(np.int64)
+            prefix = np.concatenate([[0], np.cumsum(np.concatenate([hits, hits]))])
+            messages[kind] += int((prefix[mine + count] - prefix[mine]).sum())
+    messages[INTRA] = len(base) * count - sum(messages[1:])
+    return (sent_messages * itemsize, sent_messages, tuple(m * itemsize for m in messages),
+            tuple(messages), None)
 
 
 # -- the simulator ---------------------------------------------------------------------------------
@@ -274,7 +289,8 @@ def _run(quotient: _Quotient, costs: _Costs) -> np.ndarray:
                 if d not in ready:
                     raise ScheduleError(f"rank {quotient.reps[c]}, step {k}: sends to rank {peer}, "
                                         f"which has no step {k}")
-                finish = max(ready[c], ready[d]) + max(send_load[c][link], recv_load[d][link])
+                port = 1 if link else 0
+                finish = max(ready[c], ready[d]) + max(send_load[c][port], recv_load[d][port])
                 if finish > end[c]:
                     end[c] = finish
                 if finish > end[d]:
@@ -291,20 +307,22 @@ def _run(quotient: _Quotient, costs: _Costs) -> np.ndarray:
 def _loads(cost, links, curved: bool, costs: _Costs) -> tuple:
     """(Python before the messages, send load, receive load per link, seconds after) of a
     cost step."""
+    # per port (shared memory; the network card, which every link above the node shares)
     if curved:
         send = [0.0, 0.0]
         for _, nbytes, link in cost.sends:
-            send[link] += float(links[link].cost(nbytes))
+            send[min(link, 1)] += float(links[link].cost(nbytes))
         recv = [0.0, 0.0]
         for _, nbytes, link in cost.recvs:
             if nbytes:
-                recv[link] += float(links[link].cost(nbytes))
+                recv[min(link, 1)] += float(links[link].cost(nbytes))
         send_load, recv_load = tuple(send), tuple(recv)
     else:
-        send_load = tuple(cost.send_count[i] * links[i].alpha
-                          + cost.send_bytes[i] * links[i].beta for i in (0, 1))
-        recv_load = tuple(cost.recv_count[i] * links[i].alpha
-                          + cost.recv_bytes[i] * links[i].beta for i in (0, 1))
+        loads = [[0.0, 0.0], [0.0, 0.0]]
+        for i, link in enumerate(links):
+            loads[0][min(i, 1)] += cost.send_count[i] * link.alpha + cost.send_bytes[i] * link.beta
+            loads[1][min(i, 1)] += cost.recv_count[i] * link.alpha + cost.recv_bytes[i] * link.beta
+        send_load, recv_load = tuple(loads[0]), tuple(loads[1])
     return (float(costs.cpu(cost.requests)), send_load, recv_load,
             float(costs.reduce(cost.reduced, cost.combines)))
 
@@ -317,7 +335,7 @@ def _counts(quotient: _Quotient):
     sizes = quotient.sizes
     sent_bytes = np.zeros(len(quotient.reps), dtype=np.int64)
     sent_messages = np.zeros(len(quotient.reps), dtype=np.int64)
-    link_bytes, link_messages = [0, 0], [0, 0]
+    link_bytes, link_messages = [0] * MAX_CLASSES, [0] * MAX_CLASSES
     pairs: dict | None = {} if quotient.full else None
     steps = 0
     for c, program in enumerate(quotient.programs):

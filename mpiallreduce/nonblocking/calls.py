@@ -15,6 +15,7 @@ from .. import _hooks, _plans
 from .._agree import prepare
 from .._checks import allreduce_call
 from .._state import state as comm_state
+from .._waiting import deadline_of
 from ..executor import MAX_MESSAGE, NativePlan, Plan, _untraced, flat
 from ..partition import segments
 from .native import _DROPPED, _NativeWork, _tidy
@@ -52,7 +53,7 @@ def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
     if call.recv.size == 0:
         return Request(call.recv)
     state = comm_state(call.comm)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = deadline_of(timeout)
     entry = _Started(call, state, (comm, sendbuf, recvbuf, op, topology), deadline)
     key = _plans.call_key(slot, comm, sendbuf, op, algorithm, topology, params)
     if key is not None and _plans.cacheable(sendbuf, recvbuf, call) and state.calls.put(key, entry):
@@ -105,7 +106,8 @@ class _Started(_plans.BoundCall):
                                      timeout=None, deadline=deadline, what="iallreduce")
         send_bytes = 0 if call.send is None else call.send.nbytes
         self.nbytes = call.recv.nbytes + send_bytes + (0 if self.plan is None else self.plan.nbytes)
-        # an shm plan's run compares the agreement's fields itself (as a blocking call's does)
+        # fused: the run checks the call's arguments itself (an shm plan compares the
+        # agreement's fields in its headers), so a repeated call makes no separate agreement
         self.fused = self.plan is not None and _plans.fused(self.plan)
         self.result = None
         if self.fused:
@@ -113,7 +115,8 @@ class _Started(_plans.BoundCall):
             # entry before its plan is freed or its communicator breaks), as allreduce's: whole
             # at the start, so the call returns one complete request
             self.direct, self.args, self.result = self.plan.direct, (), Request(self.recv)
-        # a schedule: whether a start without deadline may post from a flat program
+        # lean (Plan.lean_program): whether a start without deadline may post the first step
+        # from the flat program, a wait with nothing else in flight running the rest of it
         # (_start_lean: untraced, one step at least); None: no steps to progress
         self.lean = None
         if self.plan is not None and hasattr(self.plan, "steps"):
@@ -137,7 +140,7 @@ class _Started(_plans.BoundCall):
                     work.requests[0] = request
                     work.join = request.Wait
                 return Request(self.recv, work, work.back)
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = deadline_of(timeout)
             requests = [self.iallreduce(*args) for args in pieces]
             work = _NativeWork(requests, deadline, timeout, self.fail, self.where, self)
             return Request(self.recv, work, self.finish if self.average else None)
@@ -157,8 +160,8 @@ class _Started(_plans.BoundCall):
             plan._tag_base = tag_base
             return _schedule_request(plan, timeout, owned=True)
         plan._tag_base = tag_base
-        plan._take_off(True)
-        request = _schedule_request(plan, timeout, owned=False, finish=plan.landed)
+        plan._mark_in_flight(True)
+        request = _schedule_request(plan, timeout, owned=False, finish=plan.run_ended)
         plan._in_flight = request
         return request
 
@@ -199,9 +202,9 @@ def start(plan, timeout: float | None = None) -> Request:
             work = plan._work = _NativeWork(plan._persistent, None, None, plan.fail, plan.where,
                                             plan)
         plan._persistent[0].Start()
-        request = Request(plan.recvbuf, work, plan.landed)
+        request = Request(plan.recvbuf, work, plan.run_ended)
         plan._in_flight = request
-        plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
+        plan._fast_held, plan._fast = plan._fast, None  # (_mark_in_flight, inline)
         return request
     if timeout is None and type(plan) is Plan and plan._fast is not None \
             and plan.timeout is None and plan._phase is _untraced and plan._program \
@@ -216,15 +219,15 @@ def start(plan, timeout: float | None = None) -> Request:
             done = plan._done = Request(result)
         return done
     timeout, _ = plan._start(timeout)  # refuses a freed, broken or running plan
-    plan._take_off(True)
+    plan._mark_in_flight(True)
     if isinstance(plan, NativePlan):
         requests = plan.persistent_requests()
         MPI.Prequest.Startall(requests)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         request = Request(plan.recvbuf, _NativeWork(requests, deadline, timeout, plan.fail,
-                                                    plan.where, plan), plan.landed)
+                                                    plan.where, plan), plan.run_ended)
     else:
-        request = _schedule_request(plan, timeout, owned=False, finish=plan.landed)
+        request = _schedule_request(plan, timeout, owned=False, finish=plan.run_ended)
     plan._in_flight = request
     return request
 

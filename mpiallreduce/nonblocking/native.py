@@ -4,13 +4,12 @@ and the requests dropped in flight that must outlive their Request (MPI-4 §6.12
 from __future__ import annotations
 
 import atexit
-import itertools
 import time
 from functools import partial
 
 from mpi4py import MPI
 
-from .._waiting import BUSY_TESTS, MPI_CANNOT_SAY, patience, poll
+from .._waiting import MPI_CANNOT_SAY, deadline_of, poll
 from .requests import _earliest
 
 #: native requests dropped in flight, with their buffers (see _NativeWork.__del__)
@@ -28,7 +27,7 @@ def _finish_dropped() -> None:
     requests complete, for a second at most (a peer that never makes the call cannot be
     waited for)."""
     if _DROPPED and not MPI.Is_finalized():
-        deadline = time.monotonic() + 1.0
+        deadline = deadline_of(1.0)
         for work in _DROPPED:
             poll(work.requests, deadline)
 
@@ -92,10 +91,8 @@ class _NativeWork:
         if stop is None:
             MPI.Request.Waitall(self.requests)
             return True
-        testall = MPI.Request.Testall
-        for _ in itertools.chain(range(BUSY_TESTS), patience(stop)):
-            if testall(self.requests):
-                return True
+        if poll(self.requests, stop):  # (the one wait loop: _waiting.wait_until)
+            return True
         self._check_deadline()
         return False
 

@@ -6,14 +6,13 @@ How runs progress, and when the thread looks at them: :mod:`mpiallreduce.nonbloc
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import weakref
 
 from mpi4py import MPI
 
-from .._waiting import BUSY_TESTS, patience, unanswered
+from .._waiting import deadline_of, unanswered, wait_until
 from .requests import Request, _earliest
 
 #: longest pause (seconds) of the progress thread between polls while runs are in flight.
@@ -52,7 +51,7 @@ class _Run(Request):
         self._result, self._work, self._finish, self._error = plan.recvbuf, self, finish, None
         self.engine, self.plan, self.owned = engine, plan, owned
         self.timeout = timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.deadline = deadline_of(timeout)
         self.bound = None
         self.finished = False
         self.error: BaseException | None = None
@@ -129,9 +128,12 @@ class _Run(Request):
         engine = self.engine
         stop = _earliest(until, self.deadline)
         lock, runs = engine.lock, engine.runs
-        for _ in itertools.chain(range(BUSY_TESTS), patience(stop)):
+
+        def finished() -> bool:
+            """Advance the runs if the lock is free (else the thread is advancing them: look
+            again after a pause); whether this run has ended."""
             if not lock.acquire(False):  # (not blocking)
-                continue  # the thread is advancing the runs: look again after a pause
+                return False
             try:
                 if stop is None:
                     # alone and without deadline: block in MPI step by step, as a blocking run
@@ -144,10 +146,12 @@ class _Run(Request):
                         self.advance()
                 if not self.finished:
                     engine.progress()
-                if self.finished:
-                    return self._ended()
+                return self.finished
             finally:
                 lock.release()
+
+        if wait_until(finished, stop):  # (the one wait loop; past stop, the deadline below)
+            return self._ended()
         with lock:
             engine.progress()
             if not self.finished:
@@ -235,6 +239,10 @@ class _Engine:
         return moved
 
     def _loop(self) -> None:
+        # Not a wait to a deadline (_waiting.wait_until): the thread never spins against the
+        # caller, its pause starts at GRACE_SECONDS, falls back to 50 µs after a step moved and
+        # grows to PAUSE_MAX (FRESH_PAUSE_MAX while it finds only new runs), and it exits
+        # after IDLE_SECONDS without runs; so it keeps its own pace.
         pause, idle_since = GRACE_SECONDS, None
         seen: tuple = ()  # the runs in flight at the last look
         fresh = False  # whether the last look found only runs started since the one before
@@ -336,17 +344,17 @@ def _start_lean(plan) -> Request:
         run = _lean_run(engine, plan, lean[3], lean[2])
         runs.append(run)
     plan._in_flight = run  # (the run is its request)
-    plan._parked, plan._fast = plan._fast, None  # (_take_off, inline)
+    plan._fast_held, plan._fast = plan._fast, None  # (_mark_in_flight, inline)
     if engine.thread is None and engine.threaded and not run.finished:
         engine.wake()
     return run
 
 
 def _lean_run(engine: _Engine, plan, requests: list, rest: tuple, new=object.__new__) -> _Run:
-    """``_Run(engine, plan, None, False, (requests, rest), plan.landed)``, its fields set
+    """``_Run(engine, plan, None, False, (requests, rest), plan.run_ended)``, its fields set
     directly (a third of the constructor's time: this is most of a lean start at 8 bytes)."""
     run = new(_Run)
-    run._result, run._work, run._finish, run._error = plan.recvbuf, run, plan.landed, None
+    run._result, run._work, run._finish, run._error = plan.recvbuf, run, plan.run_ended, None
     run.engine, run.plan, run.owned, run.timeout, run.deadline = engine, plan, False, None, None
     run.bound, run.finished, run.error, run.steps = None, False, None, None
     run.requests, run.rest = requests, rest

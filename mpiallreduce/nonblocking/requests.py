@@ -14,9 +14,7 @@ MPI's own collectives' work is :class:`.native._NativeWork`; a schedule's run is
 
 from __future__ import annotations
 
-import time
-
-from .._waiting import check_timeout
+from .._waiting import check_timeout, deadline_of
 from ..errors import CollectiveTimeout
 
 
@@ -32,7 +30,7 @@ class Request:
     def __init__(self, result, work=None, finish=None):
         self._result = result
         self._work = work  # None once complete: see _NativeWork and _Run (join/poll/complete)
-        self._finish = finish  # run once in the caller's thread on completion (AVG, plan landing)
+        self._finish = finish  # run once in the caller's thread on completion (AVG, run_ended)
         self._error: BaseException | None = None
         if work is None and finish is not None:
             self._settle()
@@ -72,7 +70,7 @@ class Request:
                     finish(self._error is None)
             else:
                 check_timeout(timeout)
-                if not self._progress(time.monotonic() + timeout, block=True):
+                if not self._progress(deadline_of(timeout), block=True):
                     raise CollectiveTimeout(
                         f"request not complete within {timeout:g} s; it is still in flight: "
                         f"{work.waits_for()}; wait again, or Abort")

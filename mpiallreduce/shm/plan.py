@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import executor
 from ..executor import _PlanBase, _untraced, flat
-from ..ops import DTYPES
+from ..ops import DTYPES, exact_sum
 from . import protocol
 from .arrays import placement
 from .node import Node
@@ -170,6 +170,40 @@ class ShmPlan(_PlanBase):
         calls = [partial(np.copyto, out, operands[-1])]
         calls += [partial(reduce_local, operand, out) for operand in reversed(operands[:-1])]
         return calls
+
+    def _scalar(self, slots: list[np.ndarray]):
+        """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
+        ufunc, in rank order) through memoryviews, without NumPy's per-call cost; else None
+        (the small regime's reduction, and a node phase's of :mod:`..shm_nodes`)."""
+        red, result = self.reducer, self._result
+        if result.size != 1 or result.dtype != np.float64 or red.name not in ("SUM", "AVG",
+                                                                                "PROD"):
+            return None
+        out = memoryview(result).cast("B").cast("d")
+        first, *rest = views = [memoryview(slot).cast("B").cast("d") for slot in slots]
+        divisor = float(self._nranks) if self._average else None
+        if self._exact:  # the correctly rounded sum, whatever the order (reproducible sums)
+            def reduce():
+                total = exact_sum([view[0] for view in views])
+                out[0] = total if divisor is None else total / divisor
+        elif red.name == "PROD":
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total *= view[0]
+                out[0] = total
+        elif divisor is None and len(rest) == 1:
+            second = rest[0]
+
+            def reduce():
+                out[0] = first[0] + second[0]
+        else:
+            def reduce():
+                total = first[0]
+                for view in rest:
+                    total += view[0]
+                out[0] = total if divisor is None else total / divisor
+        return reduce
 
     # -- running --------------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from functools import partial
 import numpy as np
 
 from .. import _form
-from ..ops import exact_sum
 from .node import Node
 from .plan import ShmPlan, _single
 from .protocol import Stalled
@@ -68,39 +67,6 @@ class SmallPlan(ShmPlan):
             reduce.append(partial(np.divide, self._result, self._nranks, self._result))
         reduce = [*phase("reduce", None, reduce), *phase("end", None, ())]
         return _single(load), _single(reduce)
-
-    def _scalar(self, slots: list[np.ndarray]):
-        """One float64 summed or multiplied: Python floats (IEEE doubles, the same bits as the
-        ufunc, in rank order) through memoryviews, without NumPy's per-call cost; else None."""
-        red, result = self.reducer, self._result
-        if result.size != 1 or result.dtype != np.float64 or red.name not in ("SUM", "AVG",
-                                                                                "PROD"):
-            return None
-        out = memoryview(result).cast("B").cast("d")
-        first, *rest = views = [memoryview(slot).cast("B").cast("d") for slot in slots]
-        divisor = float(self._nranks) if self._average else None
-        if self._exact:  # the correctly rounded sum, whatever the order (reproducible sums)
-            def reduce():
-                total = exact_sum([view[0] for view in views])
-                out[0] = total if divisor is None else total / divisor
-        elif red.name == "PROD":
-            def reduce():
-                total = first[0]
-                for view in rest:
-                    total *= view[0]
-                out[0] = total
-        elif divisor is None and len(rest) == 1:
-            second = rest[0]
-
-            def reduce():
-                out[0] = first[0] + second[0]
-        else:
-            def reduce():
-                total = first[0]
-                for view in rest:
-                    total += view[0]
-                out[0] = total if divisor is None else total / divisor
-        return reduce
 
     def _bind_direct(self):
         """:meth:`direct` of the small regime as closures over the bound state: the
