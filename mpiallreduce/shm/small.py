@@ -18,6 +18,8 @@ from .protocol import Stalled
 #: most ranks of a node whose small-regime runs are compiled (``_compiled.SmallRun`` keeps its
 #: pointers in fixed arrays); larger nodes run the Python form's closures
 COMPILED_MAX_RANKS = 64
+#: most bytes per rank whose small-regime load and reduce are compiled too
+COMPILED_REDUCE_BYTES = 1024
 
 
 class SmallPlan(ShmPlan):
@@ -43,7 +45,10 @@ class SmallPlan(ShmPlan):
         # and reduce of a plan bound under the stall hook (protocol.STALLS: they hold its
         # stalls, around the compiled publish and wait)
         stalled = isinstance(self._phase, Stalled)
-        name = None if self._exact or stalled else self.reducer.name
+        # and so does NumPy's vectorised reduce past a few elements (the compiled loop is
+        # element by element: at 64 KiB it measured slower than the ufuncs)
+        few = self._result.nbytes <= COMPILED_REDUCE_BYTES
+        name = None if self._exact or stalled or not few else self.reducer.name
         return tuple(_form.compiled.SmallRun(
             node, source, self._result, slots, self._signed, self._peer_digests, self._programs,
             self._arrive, self._mismatch, self._label, name, self._average, timed)
