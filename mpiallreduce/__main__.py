@@ -20,7 +20,7 @@ def report(comm=None) -> list[str]:
 
     import mpiallreduce as mar
 
-    from . import ops, select
+    from . import _form, ops, select
     from .topology import RANKS_PER_NODE_ENV
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -43,6 +43,7 @@ def report(comm=None) -> list[str]:
         f"{'+'.join(map(str, topology.node_sizes))} rank(s)"
         + (f" (simulated: {RANKS_PER_NODE_ENV}={simulated})" if simulated else
            " (MPI_COMM_TYPE_SHARED)"),
+        f"call path: {_form.describe()}",
         f"algorithms: {', '.join(mar.ALGORITHMS)}",
         "auto: " + _auto_source(table),
         "native deviations: " + (

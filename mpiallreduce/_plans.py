@@ -12,7 +12,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, select, shm, shm_nodes
+from . import _form, algorithms, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree
 from ._checks import ALGORITHMS, Call, plain_timeout
 from ._state import CALLS, LAST, CommState
@@ -341,7 +341,7 @@ class _Known:
               timeout, state.fail)
 
 
-class BoundCall(_Known):
+class BoundCall(_Known, _form.compiled.BoundFields if _form.compiled is not None else object):
     """What the call cache keeps of a call for the next one with the same objects: all that
     :func:`cached_call` reads, whatever the entry point.
 
@@ -353,10 +353,12 @@ class BoundCall(_Known):
     first: ``direct(*args)`` without a deadline and ``timed(timeout)`` with one (each None where
     the call has no such form), after which the call returns ``result``; else ``run(timeout)``,
     which returns what the call returns. ``nbytes`` and ``free()`` are for the cache's bounds.
+    In the compiled form these fields are the C members of ``_compiled.BoundFields``.
     """
 
-    __slots__ = ("state", "objects", "algorithm", "params", "dtype", "in_place", "signatures",
-                 "nbytes", "fused", "direct", "args", "timed", "result")
+    __slots__ = () if _form.compiled is not None else (
+        "state", "objects", "algorithm", "params", "dtype", "in_place", "signatures", "nbytes",
+        "fused", "direct", "args", "timed", "result")
 
     def __init__(self, call: Call, state: CommState, objects: tuple, signature=None):
         """``signature(timeout)``: the fields the agreement compares (by default the call's)."""
@@ -580,3 +582,8 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
         state.calls.put_shape(
             shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
             Shape(call, state, (comm, op, topology), schedule=not native, fused=fused(plan)))
+
+
+if _form.compiled is not None:  # the compiled twin of cached_call (same results, same errors)
+    _form.compiled.install(LAST, CALLS, call_key, plain_timeout)
+    cached_call = _form.compiled.cached_call  # noqa: F811

@@ -13,7 +13,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import _plans
+from . import _form, _plans
 from . import reproducible as _reproducible
 from ._agree import prepare
 from ._checks import ALGORITHMS, COLLECTIVE_ALGORITHMS, allreduce_call
@@ -109,6 +109,15 @@ def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
     cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
     return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
                            cache, timeout, allocated=allocated is not None)
+
+
+if _form.compiled is not None:
+    # the compiled twin (mpiallreduce._compiled.allreduce): the same sequence, with no Python
+    # frame between the caller and the run
+    _form.compiled.install_api(_bind, _reproducible.allreduce)
+    _form.compiled.allreduce.__doc__ = allreduce.__doc__
+    _form.compiled.allreduce.__wrapped__ = allreduce  # its signature, for inspect and help()
+    allreduce = _form.compiled.allreduce  # noqa: F811
 
 
 def plan(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,

@@ -27,6 +27,7 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
+from . import _form
 from ._agree import prepare
 from ._buffers import (
     DTYPE_SET,
@@ -552,6 +553,15 @@ class Comm(MPI.Intracomm):
 
 
 _warned = False  # the constructor's warning about collectives a timeout cannot cover: once
+
+
+if _form.compiled is not None:
+    # the compiled twin of Allreduce's first branch (a call with the objects of an earlier one,
+    # the one repeated in a solver's loop): no Python frame between the caller and the run
+    _form.compiled.install_comm(Comm.Allreduce, Unviewable, settle)
+    _form.compiled.comm_allreduce.__doc__ = Comm.Allreduce.__doc__
+    _form.compiled.comm_allreduce.__wrapped__ = Comm.Allreduce
+    Comm.Allreduce = _form.compiled.comm_allreduce
 
 
 def _nonblocking(name: str) -> str:

@@ -28,7 +28,10 @@ LAYERS = {
     # core: plain data and pure functions, MPI only where a helper waits or reads a buffer
     "errors": "core", "ops": "core", "partition": "core", "schedule": "core", "sizes": "core",
     "topology": "core", "verify": "core", "algorithms": "core", "_waiting": "core",
-    "_dlpack": "core", "_lru": "core", "reproducible._exact": "core",
+    "_dlpack": "core", "_lru": "core",
+    # the compiled twins (and the choice of form): they import nothing of the package, the
+    # call path and shm hand them what they run
+    "_form": "core", "_compiled": "core", "reproducible._exact": "core",
     "reproducible._exact_numba": "core", "reproducible._exact_format": "core",
     # transport: moves bytes (point-to-point plans, the node's shared memory), and the hooks
     # the layers above plug in (_hooks); non-blocking requests and their progress

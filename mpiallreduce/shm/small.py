@@ -10,8 +10,16 @@ from functools import partial
 
 import numpy as np
 
+from .. import _form
 from .node import Node
 from .plan import ShmPlan, _single
+from .protocol import Stalled
+
+#: most ranks of a node whose small-regime runs are compiled (``_compiled.SmallRun`` keeps its
+#: pointers in fixed arrays); larger nodes run the Python form's closures
+COMPILED_MAX_RANKS = 64
+#: most bytes per rank whose small-regime load and reduce are compiled too
+COMPILED_REDUCE_BYTES = 1024
 
 
 class SmallPlan(ShmPlan):
@@ -22,6 +30,29 @@ class SmallPlan(ShmPlan):
         self._trace("small")
         self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
         self.direct, self._timed = self._bind_direct()
+        if _form.compiled is not None and not self.traced \
+                and self._node.size <= COMPILED_MAX_RANKS:
+            self.direct, self._timed = self._compiled_runs(source)
+
+    def _compiled_runs(self, source: np.ndarray) -> tuple:
+        """:meth:`_bind_direct`'s two runs compiled (``_compiled.SmallRun``): the same steps
+        with no Python frame on the way to the spin-wait; their slow paths (an earlier epoch
+        still running, a peer not there after the spin, differing signatures, ops other than
+        float SUM/PROD/AVG) are this plan's own methods and bound calls."""
+        node = self._node
+        slots = tuple(self._slots(parity) for parity in (0, 1))
+        # the exact sum of reproducible calls stays the bound Python reduce, and so do the load
+        # and reduce of a plan bound under the stall hook (protocol.STALLS: they hold its
+        # stalls, around the compiled publish and wait)
+        stalled = isinstance(self._phase, Stalled)
+        # and so does NumPy's vectorised reduce past a few elements (the compiled loop is
+        # element by element: at 64 KiB it measured slower than the ufuncs)
+        few = self._result.nbytes <= COMPILED_REDUCE_BYTES
+        name = None if self._exact or stalled or not few else self.reducer.name
+        return tuple(_form.compiled.SmallRun(
+            node, source, self._result, slots, self._signed, self._peer_digests, self._programs,
+            self._arrive, self._mismatch, self._label, name, self._average, timed)
+            for timed in (False, True))
 
     def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
         """(load, reduce) of the small regime for one parity: single calls. Bound while

@@ -1,0 +1,54 @@
+"""The compiled part of mpiallreduce (pyproject.toml holds everything else).
+
+``mpiallreduce/_compiled.pyx`` (the call path's per-call part and shm's small regime) is
+compiled with Cython and the system C compiler where both exist. It is optional: where the
+compiler is missing or fails, the install goes on with the pure-Python form, which is the
+reference (``python -m mpiallreduce`` says which form is active).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SOURCE = "mpiallreduce/_compiled.pyx"
+
+
+class optional_build_ext(build_ext):
+    """build_ext that, where the extension fails to build, says so once and goes on."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # no compiler, or it failed: the Python form stays
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if len(reason) > 100:
+                reason = reason[:100] + "..."
+            print(f"mpiallreduce: the compiled call path was not built ({reason}); installing "
+                  f"the pure-Python form", file=sys.stderr)
+
+
+def extensions() -> list:
+    try:
+        from Cython.Build import cythonize
+    except ImportError:  # built without build isolation and without Cython: Python form
+        print("mpiallreduce: Cython is not installed; installing the pure-Python form",
+              file=sys.stderr)
+        return []
+    import numpy
+
+    # IEEE adds in the order written, as NumPy's ufuncs do (no fused multiply-add)
+    ext = Extension("mpiallreduce._compiled", [SOURCE], optional=True,
+                    include_dirs=[numpy.get_include()],
+                    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+                    extra_compile_args=["-O2", "-ffp-contract=off"])
+    try:
+        # (every extension here is optional: cythonize's copies lose the flag)
+        return cythonize([ext], compiler_directives={"language_level": 3}, quiet=True)
+    except Exception as exc:  # (a Cython too old or too new for the source)
+        print(f"mpiallreduce: Cython failed ({exc}); installing the pure-Python form",
+              file=sys.stderr)
+        return []
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": optional_build_ext})
