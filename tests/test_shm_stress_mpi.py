@@ -51,7 +51,7 @@ def comm(request, monkeypatch):
     comm = MPI.COMM_WORLD.Dup()
     # a protocol bug may leave ranks waiting for each other: then every rank writes its stacks
     # to a file and exits (the job ends instead of hanging)
-    path = os.path.join(tempfile.gettempdir(), f"shm-stress-hang.{MPI.COMM_WORLD.rank}.txt")
+    path = os.path.join(tempfile.gettempdir(), f"shm-stress-hang.{os.getpid()}.{MPI.COMM_WORLD.rank}.txt")
     with open(path, "w") as stacks:
         faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=stacks)
         yield comm
