@@ -80,13 +80,18 @@ class Trainer:
             self.state.free()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's and the data's options (scripts/torch_targets.py trains the same model)."""
     parser.add_argument("--inputs", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.01)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     if not torch.distributed.is_initialized():

@@ -56,11 +56,26 @@ from .api import plan as _plan
 from .compression import TopK
 from .nonblocking import start
 
-__all__ = ["State", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
+__all__ = ["Bucket", "State", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
            "init_process_group", "topk_hook"]
 
 #: the 16-bit float types and the codec that reduces their words (float32 adds)
 _WORDS = {torch.float16: codecs.FP16, torch.bfloat16: codecs.BF16}
+
+
+class Bucket:
+    """A stand-in for DDP's ``GradBucket`` (which Python cannot construct), to call a hook
+    outside DDP, on a flat tensor of one's own: the two things the hooks (PyTorch's own too)
+    read of a bucket, its index and its flat buffer. ``hook(state, Bucket(0, t)).wait()``."""
+
+    def __init__(self, index: int, buffer: torch.Tensor):
+        self._index, self._buffer = index, buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
 
 
 def init_process_group(comm=None, backend: str = "gloo", timeout: float | None = None) -> None:

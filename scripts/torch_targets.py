@@ -40,22 +40,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import mpiallreduce as mar
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from torch_ddp import batches, build  # noqa: E402 - the example's model and data
+from torch_ddp import batches, build, model_arguments  # noqa: E402 - the example's model
 
 SIZES = {"64K": 64 << 10, "1M": 1 << 20, "8M": 8 << 20, "64M": 64 << 20}
-
-
-class Bucket:
-    """What a hook reads of DDP's GradBucket (which Python cannot construct)."""
-
-    def __init__(self, index, buffer):
-        self._index, self._buffer = index, buffer
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
 
 
 def bucket_times(args, comm, state) -> dict:
@@ -66,11 +53,11 @@ def bucket_times(args, comm, state) -> dict:
             "gloo": lambda b: default_hooks.allreduce_hook(None, b).wait()}
     for index, buffer in enumerate(buffers.values()):  # bind the plans, warm Gloo
         for run in ways.values():
-            run(Bucket(index, buffer))
+            run(mar.torch.Bucket(index, buffer))
     for _ in range(args.rounds):
         for index, (size, buffer) in enumerate(buffers.items()):
             for way, run in ways.items():
-                bucket = Bucket(index, buffer)
+                bucket = mar.torch.Bucket(index, buffer)
                 comm.Barrier()
                 start = time.perf_counter()
                 for _ in range(args.reps):
@@ -153,10 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sizes", type=lambda s: s.split(","), default=list(SIZES))
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--inputs", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.01)
+    model_arguments(parser)
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     mar.torch.init_process_group(comm)

@@ -40,20 +40,6 @@ def state():
     state.free()
 
 
-class Bucket:
-    """What a hook reads of DDP's ``GradBucket`` (which Python cannot construct): its index and
-    its flat buffer. PyTorch's own hooks read the same two."""
-
-    def __init__(self, index, buffer):
-        self._index, self._buffer = index, buffer
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
-
-
 def _contribution(count, dtype, exact, seed=0):
     """This rank's bucket: integers times p (so dividing by p then summing is exact in any
     order) or random values."""
@@ -90,11 +76,11 @@ def _compare(out, ref, exact, wire=None):
 
 def _run_hook(hook, state, count, dtype, exact, index=0):
     x = _contribution(count, dtype, exact)
-    ours = hook(state, Bucket(index, x.clone())).wait()
+    ours = hook(state, mart.Bucket(index, x.clone())).wait()
     theirs = {mart.allreduce_hook: default_hooks.allreduce_hook,
               mart.fp16_compress_hook: default_hooks.fp16_compress_hook,
               mart.bf16_compress_hook: default_hooks.bf16_compress_hook}[hook](
-        None, Bucket(index, x.clone())).wait()
+        None, mart.Bucket(index, x.clone())).wait()
     if isinstance(theirs, list):
         theirs = theirs[0]
     if ours.is_complex() and not theirs.is_complex():  # Gloo reduces complex as real pairs
@@ -141,7 +127,7 @@ def test_buckets_in_flight_together_and_rebuilt(algorithm):
 
 def _in_flight_and_rebuilt(state):
     buffers = [_contribution(n, torch.float32, True, seed=i) for i, n in enumerate((5, 7, 300))]
-    futures = [mart.allreduce_hook(state, Bucket(i, b.clone())) for i, b in enumerate(buffers)]
+    futures = [mart.allreduce_hook(state, mart.Bucket(i, b.clone())) for i, b in enumerate(buffers)]
     problems = []
     for future, x in zip(futures, buffers):
         ref = x.div(WORLD.size)
@@ -150,7 +136,7 @@ def _in_flight_and_rebuilt(state):
     rebuilt = _contribution(11, torch.float32, True, seed=9)
     ref = rebuilt.div(WORLD.size)
     dist.all_reduce(ref)
-    problems.append(_compare(mart.allreduce_hook(state, Bucket(0, rebuilt.clone())).wait(), ref,
+    problems.append(_compare(mart.allreduce_hook(state, mart.Bucket(0, rebuilt.clone())).wait(), ref,
                              True))
     assert_on_every_rank(WORLD, "; ".join(p for p in problems if p) or None)
 
@@ -159,7 +145,7 @@ def test_topk_hook_with_every_entry_is_the_average_and_keeps_no_residual():
     state = mart.State(WORLD, topk=mar.TopK(1.0), abort_on_error=False)
     try:
         x = _contribution(1001, torch.float32, True)
-        out = mart.topk_hook(state, Bucket(0, x.clone())).wait()
+        out = mart.topk_hook(state, mart.Bucket(0, x.clone())).wait()
         ref = x.clone()
         dist.all_reduce(ref)
         ref /= WORLD.size
@@ -179,7 +165,7 @@ def test_topk_hook_error_feedback_loses_nothing():
         for step in range(4):
             x = _contribution(200, torch.float64, True, seed=step)
             total += x
-            applied += mart.topk_hook(state, Bucket(0, x.clone())).wait()
+            applied += mart.topk_hook(state, mart.Bucket(0, x.clone())).wait()
         left = torch.from_numpy(state.topk.residuals[0].copy())
         dist.all_reduce(left)
         dist.all_reduce(total)
@@ -191,7 +177,7 @@ def test_topk_hook_error_feedback_loses_nothing():
 
 def test_a_mismatched_bucket_fails_on_every_rank_with_a_clear_error(state):
     count = 10 + WORLD.rank if WORLD.size > 1 else 10
-    future = mart.allreduce_hook(state, Bucket(0, torch.ones(count)))
+    future = mart.allreduce_hook(state, mart.Bucket(0, torch.ones(count)))
     if WORLD.size == 1:
         future.wait()
         return
@@ -199,12 +185,12 @@ def test_a_mismatched_bucket_fails_on_every_rank_with_a_clear_error(state):
         future.wait()
     # later buckets get the same error at once, on every rank
     with pytest.raises(Exception, match="differ|mismatch"):
-        mart.allreduce_hook(state, Bucket(1, torch.ones(3))).wait()
+        mart.allreduce_hook(state, mart.Bucket(1, torch.ones(3))).wait()
 
 
 def test_the_state_must_be_a_state():
     with pytest.raises(TypeError, match="mar.torch.State"):
-        mart.allreduce_hook(None, Bucket(0, torch.ones(3)))
+        mart.allreduce_hook(None, mart.Bucket(0, torch.ones(3)))
 
 
 def test_init_process_group_matches_the_communicator():
