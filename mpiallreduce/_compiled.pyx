@@ -249,6 +249,30 @@ cdef int64_t *words_of(view) except NULL:
     return <int64_t *>&words[0]
 
 
+ctypedef fused real:
+    float
+    double
+
+
+cdef inline void combine(real *out, char **slots, Py_ssize_t count, Py_ssize_t nranks,
+                         bint product, double divisor) noexcept nogil:
+    """``out[i] = s0[i] op s1[i] op ...`` in rank order, element by element, as the Python
+    form's ufunc calls (``out = s0 + s1; out = out + s2; ...``) or scalar loop; then divided by
+    ``divisor`` where it is not 0 (float64 AVG only: float32 runs pass 0)."""
+    cdef Py_ssize_t i, q
+    cdef real total
+    for i in range(count):
+        total = (<real *>slots[0])[i]
+        for q in range(1, nranks):
+            if product:
+                total = total * (<real *>slots[q])[i]
+            else:
+                total = total + (<real *>slots[q])[i]
+        if divisor != 0.0:
+            total = <real>(total / divisor)
+        out[i] = total
+
+
 cdef class SmallRun:
     """The small regime's run of one shm plan, with or without a timeout (``timed``):
     the compiled ``direct``/``_timed`` of the Python form.
@@ -386,32 +410,11 @@ cdef class SmallRun:
         return True
 
     cdef void reduce(self, Py_ssize_t parity) noexcept nogil:
-        """The result, every rank's slot combined in rank order, as the Python form's ufunc
-        calls (``out = s0 + s1; out = out + s2; ...``) or scalar loop, element by element."""
-        cdef Py_ssize_t i, q
-        cdef double total
-        cdef float single
-        cdef double *out64
-        cdef float *out32
+        """The result, every rank's slot combined in rank order (:func:`combine`)."""
+        cdef bint product = self.reduce_kind == PROD_F64 or self.reduce_kind == PROD_F32
         if self.reduce_kind == SUM_F64 or self.reduce_kind == PROD_F64:
-            out64 = <double *>self.result
-            for i in range(self.count):
-                total = (<double *>self.slots[parity][0])[i]
-                for q in range(1, self.nranks):
-                    if self.reduce_kind == SUM_F64:
-                        total = total + (<double *>self.slots[parity][q])[i]
-                    else:
-                        total = total * (<double *>self.slots[parity][q])[i]
-                if self.divisor != 0.0:
-                    total = total / self.divisor
-                out64[i] = total
+            combine(<double *>self.result, self.slots[parity], self.count, self.nranks,
+                    product, self.divisor)
         else:
-            out32 = <float *>self.result
-            for i in range(self.count):
-                single = (<float *>self.slots[parity][0])[i]
-                for q in range(1, self.nranks):
-                    if self.reduce_kind == SUM_F32:
-                        single = single + (<float *>self.slots[parity][q])[i]
-                    else:
-                        single = single * (<float *>self.slots[parity][q])[i]
-                out32[i] = single
+            combine(<float *>self.result, self.slots[parity], self.count, self.nranks,
+                    product, self.divisor)
