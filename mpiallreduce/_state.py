@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
+from ._lru import LRU
 from ._waiting import meet
 from .errors import CollectiveTimeout
 from .executor import ABANDONED, MPI_CANNOT_SAY, STEP_TAGS, poll
@@ -79,25 +79,33 @@ class CallCache:
     those the plan was bound to. Because the buffers are kept alive, their memory cannot be
     freed and handed to another array while a plan points at it. Each communicator's share is
     bounded by :data:`CACHE_ENTRIES` and :data:`CACHE_BYTES`.
+
+    The bounds and the order are the package's one :class:`~mpiallreduce._lru.LRU` (an entry's
+    weight is its ``nbytes``); a hit goes through :data:`CALLS`/:data:`LAST`, never through the
+    LRU, so the order is the order of binding. What this class adds is keeping the two global
+    indices (and :data:`SHAPES`) true as entries come and go.
     """
 
     def __init__(self, entries: int = CACHE_ENTRIES, nbytes: int = CACHE_BYTES):
-        self.max_entries, self.max_bytes = entries, nbytes
-        self.entries: OrderedDict = OrderedDict()
-        self.nbytes = 0
-        self.shapes: OrderedDict = OrderedDict()  # keys of this communicator's SHAPES
+        self.lru = LRU(entries, nbytes, on_drop=self._drop)
+        # keys of this communicator's SHAPES
+        self.shapes = LRU(SHAPES_PER_COMM, on_drop=self._drop_shape)
+
+    # the bounds and contents, as the tests and tracing read and set them
+    entries = property(lambda self: self.lru.entries, doc="key -> entry, oldest first")
+    nbytes = property(lambda self: self.lru.weight, doc="the entries' bytes in total")
+    max_entries = property(lambda self: self.lru.max_entries,
+                           lambda self, value: setattr(self.lru, "max_entries", value))
+    max_bytes = property(lambda self: self.lru.max_weight,
+                         lambda self, value: setattr(self.lru, "max_weight", value))
 
     def put_shape(self, key, shape) -> None:
         """Keep a native call's shape (bounded by :data:`SHAPES_PER_COMM`)."""
         if self.max_entries == 0:
             return
-        old = self.shapes.pop(key, None)
-        if old is not None:
-            old.free()
-        self.shapes[key] = shape
+        # set SHAPES first: the shape this one replaces is freed, and SHAPES keeps the new one
         SHAPES[key] = shape
-        while len(self.shapes) > SHAPES_PER_COMM:
-            self._drop_shape(*self.shapes.popitem(last=False))
+        self.shapes.put(key, shape)
 
     def _drop_shape(self, key, shape) -> None:
         if SHAPES.get(key) is shape:
@@ -108,20 +116,13 @@ class CallCache:
         """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""
         if entry.nbytes > self.max_bytes or self.max_entries == 0:
             return False
-        old = self.entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-            old.free()
-        self.entries[key] = entry
+        # index it first, so that the entry it replaces (if any) is only freed: CALLS and LAST
+        # already name the new one
         CALLS[key] = entry
         LAST[key[2]] = entry
-        self.nbytes += entry.nbytes
-        while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
-            self._drop(*self.entries.popitem(last=False))
-        return True
+        return self.lru.put(key, entry, entry.nbytes)
 
     def _drop(self, key, entry) -> None:
-        self.nbytes -= entry.nbytes
         if CALLS.get(key) is entry:
             del CALLS[key]
         if LAST.get(key[2]) is entry:
@@ -135,10 +136,8 @@ class CallCache:
         entry.free()
 
     def clear(self) -> None:
-        while self.entries:
-            self._drop(*self.entries.popitem())
-        while self.shapes:
-            self._drop_shape(*self.shapes.popitem())
+        self.lru.clear()
+        self.shapes.clear()
 
 
 @dataclass

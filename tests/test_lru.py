@@ -59,3 +59,66 @@ def test_the_bounds_hold_after_every_put(bound):
         cache.put(index % 11, index, index % 3)
         assert len(cache) <= bound and cache.weight <= 2 * bound
         assert cache.weight == sum(cache.weights.values())
+
+
+class _Entry:
+    """What CallCache keeps: ``nbytes`` and ``free()`` (here: counted)."""
+
+    def __init__(self, nbytes, freed):
+        self.nbytes, self.freed = nbytes, freed
+
+    def free(self):
+        self.freed.append(self)
+
+
+def test_the_call_cache_keeps_its_indices_true_over_the_lru(monkeypatch):
+    from mpiallreduce import _state
+
+    monkeypatch.setattr(_state, "CALLS", {})
+    monkeypatch.setattr(_state, "LAST", {})
+    last = _state.LAST
+    freed = []
+    cache = _state.CallCache(entries=2, nbytes=100)
+    # keys as the call path makes them: key[2] is the recvbuf's id
+    first, second, third = (_Entry(10, freed) for _ in range(3))
+    assert cache.put(("c", "s1", "r"), first) and cache.put(("c", "s2", "r"), second)
+    assert _state.LAST["r"] is second and cache.nbytes == 20
+    replacement = _Entry(30, freed)
+    assert cache.put(("c", "s2", "r"), replacement)  # replaced: the old one only freed
+    assert freed == [second] and _state.CALLS[("c", "s2", "r")] is replacement
+    assert _state.LAST["r"] is replacement and cache.nbytes == 40
+    assert cache.put(("c", "s3", "q"), third)  # 3 entries > 2: the oldest (first) goes
+    assert freed == [second, first] and ("c", "s1", "r") not in _state.CALLS
+    assert last == {"r": replacement, "q": third}
+    assert not cache.put(("c", "s4", "p"), _Entry(101, freed))  # alone past the bytes
+    assert "p" not in _state.LAST and ("c", "s4", "p") not in _state.CALLS
+    cache.max_entries = 0
+    assert not cache.put(("c", "s5", "p"), _Entry(1, freed))
+    cache.max_entries = 2
+    # dropping the entry LAST names puts another one of the same recvbuf in its place
+    other = _Entry(1, freed)
+    assert cache.put(("c", "s6", "r"), other)  # evicts replacement; LAST["r"] is other
+    assert _state.LAST["r"] is other and freed[-1] is replacement
+    cache.clear()
+    assert _state.CALLS == {} and _state.LAST == {} and cache.nbytes == 0
+    assert set(map(id, freed)) == {id(e) for e in (first, second, replacement, third, other)}
+
+
+def test_the_call_cache_frees_shapes_it_replaces_or_drops(monkeypatch):
+    from mpiallreduce import _state
+
+    monkeypatch.setattr(_state, "SHAPES", {})
+    monkeypatch.setattr(_state, "SHAPES_PER_COMM", 2)
+    shapes_kept = _state.SHAPES
+    freed = []
+    cache = _state.CallCache()
+    shapes = [_Entry(0, freed) for _ in range(4)]
+    cache.put_shape("a", shapes[0])
+    cache.put_shape("a", shapes[1])  # replaced: freed, SHAPES names the new one
+    assert freed == [shapes[0]] and shapes_kept == {"a": shapes[1]}
+    cache.put_shape("b", shapes[2])
+    cache.put_shape("c", shapes[3])  # past SHAPES_PER_COMM: the oldest ("a") goes
+    assert freed == [shapes[0], shapes[1]]
+    assert shapes_kept == {"b": shapes[2], "c": shapes[3]}
+    cache.clear()
+    assert _state.SHAPES == {} and len(freed) == 4
