@@ -15,7 +15,8 @@ from mpi4py import MPI
 from .._waiting import deadline_of, unanswered, wait_until
 from .requests import Request, _earliest
 
-#: longest pause (seconds) of the progress thread between polls while runs are in flight.
+#: longest pause (seconds) of the progress thread between polls while runs are in flight (the
+#: cap of _waiting.wait_until's pace, which the thread polls at while steps move).
 PAUSE_MAX = 1e-3
 #: seconds between the progress thread's looks at new runs: it advances them only once one
 #: was in flight at its previous look (a caller that waits at once completes its own).
@@ -239,49 +240,86 @@ class _Engine:
         return moved
 
     def _loop(self) -> None:
-        # Not a wait to a deadline (_waiting.wait_until): the thread never spins against the
-        # caller, its pause starts at GRACE_SECONDS, falls back to 50 µs after a step moved and
-        # grows to PAUSE_MAX (FRESH_PAUSE_MAX while it finds only new runs), and it exits
-        # after IDLE_SECONDS without runs; so it keeps its own pace.
-        pause, idle_since = GRACE_SECONDS, None
-        seen: tuple = ()  # the runs in flight at the last look
-        fresh = False  # whether the last look found only runs started since the one before
-        while True:
-            time.sleep(pause)
-            runs = tuple(self.runs)  # (a copy without the lock: only the lock's holder advances)
-            if runs and not any(run in seen for run in runs):
-                # Every run in flight started since the last look (a caller that starts and
-                # waits in a loop completes its own runs): leave them to the caller for one
-                # more pause, longer while that goes on. Advancing them here would take the
-                # GIL and the lock from it, and turn its flat runs into stepwise ones
-                # (measured before this rule: rd 8 B start().wait() 7.1x comm.Allreduce with
-                # the thread, 3.5x without, at load 7 on 2 cores); every look costs the
-                # caller a wake-up on a busy core.
-                pause = min(pause * 2, FRESH_PAUSE_MAX) if fresh else GRACE_SECONDS
-                seen, idle_since, fresh = runs, None, True
-                continue
-            seen, fresh = runs, False
-            if not runs:
-                now = time.monotonic()
-                idle_since = now if idle_since is None else idle_since
-                if now - idle_since > IDLE_SECONDS:
-                    with self.guard:
-                        # clear first, then look (see wake): a run appended by a caller who
-                        # saw this thread set is seen here
-                        me, self.thread = self.thread, None
-                        if not self.runs:
-                            return
-                        self.thread = me
-                        idle_since = None
-                pause = PAUSE_MAX
-                continue
-            moved = 0
-            if self.lock.acquire(False):  # (not blocking)
-                try:
-                    moved = self.progress()
-                finally:
-                    self.lock.release()
-            pause = 5e-5 if moved else min(pause * 2, PAUSE_MAX)
+        # The thread sleeps between looks (_look): it never spins against the caller. While
+        # steps move it looks at the one wait's pace (_waiting.wait_until without spin:
+        # 50 µs doubling to 1 ms, PAUSE_MAX), again from 50 µs after each step that moved;
+        # otherwise the look says how long to sleep (GRACE_SECONDS doubling to
+        # FRESH_PAUSE_MAX while it finds only new runs, PAUSE_MAX without runs), or that the
+        # thread exits (IDLE_SECONDS without runs).
+        looks = _Looks(self)
+        pause = GRACE_SECONDS
+        while pause is not None:
+            if pause is _MOVED:
+                wait_until(looks.steps_idle_over, None, spin=0, yield_seconds=0)
+            else:
+                time.sleep(pause)
+                looks.look()
+            pause = looks.pause
+
+
+#: what a look returns after a step moved: look again at wait_until's pace
+_MOVED = object()
+
+
+class _Looks:
+    """The progress thread's looks at its engine's runs, and what each one leaves: ``pause``,
+    the next sleep (seconds), :data:`_MOVED`, or None (the thread exits)."""
+
+    __slots__ = ("engine", "seen", "fresh", "idle_since", "pause", "in_flight")
+
+    def __init__(self, engine: _Engine):
+        self.engine = engine
+        self.seen: tuple = ()  # the runs in flight at the last look
+        self.fresh = False  # whether the last look found only runs started since the one before
+        self.idle_since: float | None = None
+        self.pause = GRACE_SECONDS
+        self.in_flight = False  # whether the last look found runs in flight and moved none
+
+    def steps_idle_over(self) -> bool:
+        """Look; whether the pace changes (a step moved, or no run or only new ones found)."""
+        self.look()
+        return not self.in_flight
+
+    def look(self) -> None:
+        engine = self.engine
+        self.in_flight = False
+        runs = tuple(engine.runs)  # (a copy without the lock: only the lock's holder advances)
+        if runs and not any(run in self.seen for run in runs):
+            # Every run in flight started since the last look (a caller that starts and
+            # waits in a loop completes its own runs): leave them to the caller for one
+            # more pause, longer while that goes on. Advancing them here would take the
+            # GIL and the lock from it, and turn its flat runs into stepwise ones
+            # (measured before this rule: rd 8 B start().wait() 7.1x comm.Allreduce with
+            # the thread, 3.5x without, at load 7 on 2 cores); every look costs the
+            # caller a wake-up on a busy core.
+            self.pause = min(self.pause * 2, FRESH_PAUSE_MAX) if self.fresh else GRACE_SECONDS
+            self.seen, self.idle_since, self.fresh = runs, None, True
+            return
+        self.seen, self.fresh = runs, False
+        if not runs:
+            now = time.monotonic()
+            self.idle_since = now if self.idle_since is None else self.idle_since
+            if now - self.idle_since > IDLE_SECONDS:
+                with engine.guard:
+                    # clear first, then look (see wake): a run appended by a caller who
+                    # saw this thread set is seen here
+                    me, engine.thread = engine.thread, None
+                    if not engine.runs:
+                        self.pause = None
+                        return
+                    engine.thread = me
+                    self.idle_since = None
+            self.pause = PAUSE_MAX
+            return
+        moved = 0
+        if engine.lock.acquire(False):  # (not blocking)
+            try:
+                moved = engine.progress()
+            finally:
+                engine.lock.release()
+        # Not moved: outside wait_until's pace the last pause was at least GRACE_SECONDS,
+        # so the doubling has reached PAUSE_MAX
+        self.pause, self.in_flight = (_MOVED, False) if moved else (PAUSE_MAX, True)
 
 
 _ENGINES: dict = {}
