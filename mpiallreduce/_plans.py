@@ -12,7 +12,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import _form, algorithms, select, shm, shm_nodes
+from . import _form, algorithms, learn, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree
 from ._checks import ALGORITHMS, Call, plain_timeout
 from ._state import CALLS, LAST, CommState
@@ -91,7 +91,7 @@ def builder_params(name: str, call: Call, collective: str = "allreduce") -> tupl
 
 def resolve(call: Call, nranks: int, state: CommState | None = None,
             deadline: float | None = None, what: str = "allreduce",
-            shared: bool = False) -> str:
+            shared: bool = False, learned: bool = True) -> str:
     """The algorithm a call runs: its own, or what ``auto`` picks (the same on every rank).
 
     ``auto`` never hands 8/16-bit SUM/PROD to a native library that saturates them (Open MPI's
@@ -103,10 +103,16 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
     communicator size overrides that rule. Where it asks the cost model (more ranks than were
     measured) without a topology given, the model gets the communicator's own, not one node.
     ``shared``: see :func:`select.one_node_choice` (decided alike on every rank by the caller).
+    With learning on (:mod:`.learn`), that choice is the first guess: the case's learned choice,
+    or ``learn.LEARNING`` while it is being learned (``learned=False``: the rules' alone).
     """
     name = call.algorithm
     if name != "auto":
         return name
+    if learned and state is not None:
+        ruled = resolve(call, nranks, state, deadline, what, shared, learned=False)
+        return learn.resolve(state, call, nranks, ruled, what, shared, lambda: (
+            call.topology or state.default_topology(deadline, what)).nnodes == 1)
     red, nbytes = call.reducer, call.recv.nbytes
     one_node = None if state is None else select.one_node_choice(
         nranks, nbytes, call.send is None, red.commutative, shared)
@@ -120,9 +126,10 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
         return "recursive_doubling" if nbytes < select.MODULAR_RING_BYTES else "ring"
     topology = call.topology
     if topology is None and state is not None and nranks > select.MEASURED_RANKS \
-            and select.lookup(select.tables(), nranks, nbytes, red.commutative) is None:
+            and select.lookup(select.tables(), nranks, nbytes, red.commutative,
+                              call.send is None) is None:
         topology = state.default_topology(deadline, what)
-    name = select.choose(nranks, nbytes, red, topology)
+    name = select.choose(nranks, nbytes, red, topology, in_place=call.send is None)
     # a table measured on one node names shm; a communicator of that size across nodes (the
     # same on every rank: the topology is agreed) gets the built-in choice instead
     if name == "shm" and nranks > 1 and state is not None \
@@ -133,8 +140,9 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
 
 def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
           timeout: float | None, deadline: float | None = None, what: str = "allreduce",
-          borrow_scratch: bool = False, shared: bool = False):
-    """Bind a plan for ``call``.
+          borrow_scratch: bool = False, shared: bool = False, algorithm: str | None = None):
+    """Bind a plan for ``call`` (``algorithm``: this one, not the call's or ``auto``'s, the
+    call itself kept as it is: a learning plan's candidates, :class:`.learn.Learner`).
 
     ``explicit`` plans (``mar.plan``) take a slot of tags of their own, and native ones a
     communicator of their own; one-shot calls share slot 0 of the private duplicate.
@@ -146,7 +154,11 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     """
     private = state.private
     nranks, rank = private.Get_size(), private.Get_rank()
-    name = resolve(call, nranks, state, deadline, what, shared)
+    name = algorithm or resolve(call, nranks, state, deadline, what, shared)
+    if name == learn.LEARNING:
+        return learn.Learner(state, call, partial(
+            build, call, state, explicit=explicit, persistent=persistent, timeout=timeout,
+            what=what, borrow_scratch=borrow_scratch, shared=shared))
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,

@@ -46,6 +46,14 @@ same without ``provenance``, are read too)::
                                               "algorithm": "ring_segmented"}],
                              "noncommutative": [...]}}]}
 
+Learning (:func:`learn_settings`, :func:`learn_candidates`; the runs themselves are
+:mod:`mpiallreduce.learn`'s). With ``MPIALLREDUCE_LEARN=on`` a repeated ``auto`` call or plan
+times, in its first runs, the candidates this module names for its (size bucket, mode, op
+class, dtype), agrees across ranks on the fastest and keeps it for the communicator: the rules
+above are then only the first guess. A measured table (:func:`save_learned` writes what was
+learned into one) covers both modes with the classes ``commutative_in_place`` and
+``noncommutative_in_place``; a table without them uses its out-of-place ranges in place too.
+
 Ranges are half-open ``[min_bytes, max_bytes)`` in bytes per rank, sorted and contiguous from 0,
 the last open-ended; algorithms are registered names or ``native``, and the non-commutative
 class names only order-keeping ones. Every rank must see the same file contents (a shared file
@@ -64,8 +72,10 @@ import zlib
 from dataclasses import dataclass
 from importlib import resources
 
+import numpy as np
+
 from . import algorithms
-from .ops import Reducer
+from .ops import Reducer, native_deviates
 
 #: the format tag of the rules file and of tune's tables, checked on load.
 FORMAT = "mpiallreduce-rules/1"
@@ -205,11 +215,119 @@ MODEL_MARGIN = float(_SETTINGS["model_margin"])
 
 #: the environment variable that names the table file ("off": use none).
 TUNING_ENV = "MPIALLREDUCE_TUNING"
+#: op classes of a table; the ``_in_place`` ones (optional) hold the ranges for in-place calls.
 OP_CLASSES = ("commutative", "noncommutative")
+TABLE_CLASSES = (*OP_CLASSES, *(f"{name}_in_place" for name in OP_CLASSES))
+
+#: learning's switches (:func:`learn_settings`): on/off, timed runs per candidate, and after how
+#: many further calls of a learned case it is timed again (0: never).
+LEARN_ENV, LEARN_RUNS_ENV, RELEARN_ENV = ("MPIALLREDUCE_LEARN", "MPIALLREDUCE_LEARN_RUNS",
+                                          "MPIALLREDUCE_RELEARN_EVERY")
+#: defaults: off (a timed choice differs between runs of one program, and the tests and
+#: benchmarks of fixed algorithms expect the rules' choices); 5 timed runs per candidate after
+#: one untimed run (the median of 5 is robust to one burst of load); never re-timed.
+LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "off", 5, 0
+#: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
+#: times slower than its fastest are not (the model ranks; the machine decides).
+LEARN_CANDIDATES, LEARN_MARGIN = 4, 2.0
+
+
+@dataclass(frozen=True)
+class LearnSettings:
+    """``on``; ``runs`` timed runs per candidate; ``relearn``: calls between re-timings (0: never)."""
+
+    on: bool
+    runs: int
+    relearn: int
+
+
+def learn_settings() -> LearnSettings:
+    """Read the learning switches from the environment (``MPIALLREDUCE_LEARN=off|on``,
+    ``MPIALLREDUCE_LEARN_RUNS=N`` (>= 1), ``MPIALLREDUCE_RELEARN_EVERY=N`` (>= 0)); ValueError
+    naming a bad value. Every rank must set them alike (:func:`digest` folds them in, so the
+    agreement check says so where they differ)."""
+    env = os.environ
+    mode = env.get(LEARN_ENV, "").strip().lower() or LEARN_DEFAULT
+    if mode not in ("on", "off"):
+        raise ValueError(f"{LEARN_ENV}={env[LEARN_ENV]!r}: expected on or off")
+    runs = _env_count(LEARN_RUNS_ENV, LEARN_RUNS, 1)
+    relearn = _env_count(RELEARN_ENV, RELEARN_EVERY, 0)
+    return _settings(mode == "on", runs, relearn)
+
+
+@functools.lru_cache(maxsize=8)
+def _settings(on: bool, runs: int, relearn: int) -> LearnSettings:
+    return LearnSettings(on, runs, relearn)
+
+
+def _env_count(name: str, default: int, least: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise ValueError(f"{name}={text!r}: expected an integer >= {least}")
+    return value
+
+
+def learn_candidates(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
+                     one_node: bool, ruled: str, dtype: str = "float64",
+                     topology=None) -> tuple[str, ...]:
+    """What learning times for a call: ``ruled`` (the rules' choice) first, then ``native``
+    (unless this MPI saturates the op on the dtype), ``shm`` where every rank is on one node,
+    then the registered algorithms that accept the op in the order of the model's prediction,
+    leaving out any predicted more than :data:`LEARN_MARGIN` times slower than the model's
+    fastest; at most :data:`LEARN_CANDIDATES`. Of several the model predicts alike (within 1%:
+    at 2 ranks ring and rabenseifner send the same messages) only the first. The same on every
+    rank for the same arguments; memoized per power-of-two size."""
+    bucket = 1 << (max(int(nbytes), 1).bit_length() - 1)
+    return _learn_candidates(nranks, bucket, reducer.commutative,
+                             native_deviates_for(reducer.name, dtype), bool(in_place),
+                             bool(one_node), ruled, dtype, topology)
+
+
+def native_deviates_for(name: str, dtype: str) -> bool:
+    return native_deviates(name, np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=1024)
+def _learn_candidates(nranks: int, bucket: int, commutative: bool, deviates: bool,
+                      in_place: bool, one_node: bool, ruled: str, dtype: str,
+                      topology) -> tuple[str, ...]:
+    names = [ruled]
+    for name in (*(() if deviates else ("native",)), *(("shm",) if one_node else ())):
+        if name not in names:
+            names.append(name)
+    valid = [name for name, algorithm in algorithms.REGISTRY.items()
+             if commutative or not algorithm.commutative_only]
+    predicted = {}
+    try:
+        from . import model
+
+        for name in valid + names:
+            if name not in predicted:
+                predicted[name] = model.predict(name, nranks, bucket, topology, dtype=dtype,
+                                                in_place=in_place).time
+    except (ValueError, KeyError):
+        predicted = {}  # the model cannot say (more ranks than its cores): the fixed ones only
+    if predicted:
+        best = min(predicted.values())
+        ranked = sorted((t, name) for name, t in predicted.items() if name in valid)
+        for time_, name in ranked:
+            if len(names) >= LEARN_CANDIDATES or time_ > LEARN_MARGIN * best:
+                break
+            if name in names or any(abs(time_ - predicted[other]) <= 0.01 * time_
+                                    for other in names if other in valid):
+                continue
+            names.append(name)
+    return tuple(names[:max(LEARN_CANDIDATES, 1)])
 
 
 def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None,
-           use_tables: bool = True) -> str:
+           use_tables: bool = True, in_place: bool = False) -> str:
     """Return the algorithm name ``auto`` uses; identical on every rank for identical arguments
     (and the same table file, see the module docstring).
 
@@ -218,7 +336,7 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None,
     rules and the model only.
     """
     if nranks > 1 and nbytes > 0 and use_tables:
-        picked = lookup(tables(), nranks, nbytes, reducer.commutative)
+        picked = lookup(tables(), nranks, nbytes, reducer.commutative, in_place)
         if picked is not None:
             return picked
     if nranks > MEASURED_RANKS:
@@ -302,9 +420,13 @@ def _model_choice(nranks: int, bucket: int, commutative: bool, topology) -> str:
     return best
 
 
-def lookup(loaded: dict, nranks: int, nbytes: int, commutative: bool) -> str | None:
-    """Return the algorithm of the table for ``nranks`` and the op class at ``nbytes``, or None."""
-    ranges = loaded.get(nranks, {}).get(OP_CLASSES[0] if commutative else OP_CLASSES[1], ())
+def lookup(loaded: dict, nranks: int, nbytes: int, commutative: bool,
+           in_place: bool = False) -> str | None:
+    """Return the algorithm of the table for ``nranks`` and the op class at ``nbytes``, or None.
+    In place, the class's ``_in_place`` ranges where the table has them, else its others."""
+    classes = loaded.get(nranks, {})
+    op_class = OP_CLASSES[0] if commutative else OP_CLASSES[1]
+    ranges = (in_place and classes.get(f"{op_class}_in_place")) or classes.get(op_class, ())
     for low, high, name in ranges:
         if low <= nbytes and (high is None or nbytes < high):
             return name
@@ -340,8 +462,13 @@ def reload() -> None:
 
 def digest() -> int:
     """Return a CRC of the table file's bytes (0 without one), read once per process and path
-    like the table itself; the agreement check compares it across ranks for ``auto``."""
-    return _digest(table_path())
+    like the table itself, with the learning switches folded in (ranks that learn and ranks
+    that do not would run different plans); the agreement check compares it across ranks for
+    ``auto``."""
+    learning = learn_settings()
+    if not learning.on:
+        return _digest(table_path())
+    return _digest(table_path()) ^ (zlib.crc32(repr(learning).encode()) & 0x7FFFFFFF)
 
 
 @functools.lru_cache(maxsize=8)
@@ -393,9 +520,9 @@ def parse(data) -> dict[int, dict[str, tuple[tuple[int, int | None, str], ...]]]
         if nranks in parsed:
             raise ValueError(f"two tables for nranks {nranks}")
         classes = entry.get("classes")
-        if not isinstance(classes, dict) or set(classes) - set(OP_CLASSES):
-            raise ValueError(f"nranks {nranks}: 'classes' must map {' and/or '.join(OP_CLASSES)} "
-                             f"to ranges")
+        if not isinstance(classes, dict) or set(classes) - set(TABLE_CLASSES):
+            raise ValueError(f"nranks {nranks}: 'classes' must map some of "
+                             f"{', '.join(TABLE_CLASSES)} to ranges")
         if "provenance" in entry and entry["provenance"] not in provenance:
             raise ValueError(f"nranks {nranks}: provenance {entry['provenance']!r} is not an "
                              f"entry of 'provenance'")
@@ -420,7 +547,7 @@ def _ranges(nranks: int, op_class: str, ranges) -> tuple[tuple[int, int | None, 
             raise ValueError(f"{where}: max_bytes {high!r} must be an integer above {low} or null")
         if name not in ("native", "shm") and name not in algorithms.REGISTRY:
             raise ValueError(f"{where}: unknown algorithm {name!r}")
-        if op_class == "noncommutative" and name not in ("native", "shm") and \
+        if op_class.startswith("noncommutative") and name not in ("native", "shm") and \
                 algorithms.REGISTRY[name].commutative_only:
             raise ValueError(f"{where}: {name!r} reorders operands")
         checked.append((low, high, name))

@@ -1,0 +1,346 @@
+"""``auto`` learns on the machine at hand: time the leading candidates, agree, keep the fastest.
+
+With ``MPIALLREDUCE_LEARN=on`` (:func:`.select.learn_settings`), a repeated ``auto`` allreduce
+(a cached call, or a plan's runs) is learned per *case* of its communicator: (power-of-two size
+bucket, in place or not, op commutative, whether MPI saturates the op on the dtype, dtype,
+topology passed). The rules' choice is the first guess; :func:`.select.learn_candidates` adds
+native, ``shm`` on one node and the model's leading schedules (a handful at most). The case's
+:class:`Record` then hands its calls to the candidates in turn, one call each, round after
+round: a first untimed round (pages, connections), then ``runs`` timed ones (interleaved, so a
+burst of load hits every candidate alike). After the last, every rank takes each candidate's
+median, one ``Allreduce(MAX)`` on the private communicator makes them the slowest rank's, and
+the fastest of those wins: the same bits on every rank, so the same choice, by construction.
+
+Every rank makes the same calls on a communicator in the same order (MPI's rule), so each
+case's count of calls, and with it the candidate a call runs and the call that decides, is the
+same on every rank, whatever each rank's call cache holds. Calls with a deadline (``timeout=``)
+are never timed: they run the learned choice, or the rules' while learning. Once decided (and
+unless re-learning is on), every rank drops the case's learning entries from its call cache,
+so the next call binds the winner as ``auto``'s plain choice: the hot path is the winner's own.
+A plan (``mar.plan``) learns in its own runs and then runs the winner's ``run`` itself.
+``MPIALLREDUCE_RELEARN_EVERY=N`` times the case again after N further calls (the learning plan
+stays in the path then, at the cost of a counter per call).
+
+Cost: the first ``(runs + 1) * len(candidates)`` calls of a case run the candidates (each
+call one run of one of them, plus a timer) and the last adds one ``Allreduce`` of
+``len(candidates)`` doubles; :func:`learned` reports the calls and seconds each case took.
+:func:`save` writes what was learned as a measured table (:mod:`.select`'s format).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _hooks, select
+from ._state import state as comm_state
+
+#: what :func:`resolve` returns while a case is being learned: build a :class:`Learner`.
+LEARNING = "learn"
+#: the calls that learn (blocking allreduce calls and plans; non-blocking ones use the rules).
+LEARNS = ("allreduce", "plan")
+
+_RECORDS: dict[int, dict] = {}  # id(CommState) -> case -> Record
+
+
+class Record:
+    """One case's learning: its candidates, this rank's timings, the agreed choice."""
+
+    def __init__(self, key: tuple, candidates: tuple[str, ...], ruled: str, runs: int,
+                 relearn: int):
+        self.key = key
+        self.candidates = list(candidates)
+        self.ruled = ruled  # the rules' choice: runs with a deadline until one is learned
+        self.runs, self.relearn = runs, relearn
+        self.winner: str | None = None
+        self.agreed: dict[str, float] = {}  # median seconds per run, slowest rank
+        self.rounds = 0  # decisions made
+        self.learning_calls = 0  # calls that ran a candidate, every round
+        self.cost = 0.0  # seconds this rank spent in them
+        self.since = 0  # calls since the decision (re-learning)
+        self._restart()
+
+    def _restart(self) -> None:
+        self.winner = None
+        self.calls = 0
+        self.samples: dict[str, list[float]] = {name: [] for name in self.candidates}
+
+    @property
+    def total(self) -> int:
+        """Calls of one round of learning."""
+        return len(self.candidates) * (self.runs + 1)
+
+    def due(self) -> tuple[str, bool]:
+        """The candidate this call runs, and whether it is timed (not the first round)."""
+        count = len(self.candidates)
+        return self.candidates[self.calls % count], self.calls >= count
+
+    def ran(self, name: str, seconds: float, timed: bool) -> None:
+        self.calls += 1
+        self.learning_calls += 1
+        self.cost += seconds
+        if timed:
+            self.samples[name].append(seconds)
+
+    def exclude(self, name: str) -> None:
+        """Drop a candidate that refused the case (the same on every rank: the arguments say)."""
+        if name != self.ruled and name in self.candidates:
+            self.candidates.remove(name)
+            self._restart()  # the round again, without it
+
+    def decide(self, comm: MPI.Intracomm) -> str:
+        """Agree on the fastest (collective: every rank calls it at the same call)."""
+        local = {name: statistics.median(samples) for name, samples in self.samples.items()}
+        self.winner, self.agreed = fastest(comm, self.candidates, local)
+        self.rounds += 1
+        self.since = 0
+        return self.winner
+
+    def counted(self) -> None:
+        """A call ran the winner with re-learning on: time the case again when it is due."""
+        self.since += 1
+        if self.since >= self.relearn:
+            self._restart()
+
+    def report(self) -> dict:
+        bucket, in_place, commutative, deviates, dtype, _ = self.key
+        return {"bytes": bucket, "in_place": in_place, "commutative": commutative,
+                "dtype": np.dtype(dtype).name, "candidates": list(self.candidates),
+                "ruled": self.ruled, "winner": self.winner,
+                "agreed_us": {name: round(1e6 * t, 3) for name, t in self.agreed.items()},
+                "learning_calls": self.learning_calls, "learning_seconds": self.cost,
+                "rounds": self.rounds}
+
+
+def fastest(comm: MPI.Intracomm, names, seconds: dict) -> tuple[str, dict]:
+    """Return the fastest of ``names`` and every one's time, agreed across ``comm``: each
+    rank's ``seconds[name]`` (missing: never) maxed over ranks by one ``Allreduce`` (exact, so
+    every rank gets the same bits), ties to the earlier name. Collective."""
+    times = np.array([seconds.get(name, np.inf) for name in names], dtype=np.float64)
+    if comm.Get_size() > 1:
+        comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    agreed = dict(zip(names, times.tolist()))
+    return names[int(np.argmin(times))], agreed
+
+
+def case(call) -> tuple:
+    """The case of a call: (size bucket, in place, commutative, MPI deviates, dtype, topology)."""
+    nbytes = call.recv.nbytes
+    return (1 << (max(nbytes, 1).bit_length() - 1), call.send is None,
+            call.reducer.commutative,
+            select.native_deviates_for(call.reducer.name, call.recv.dtype.str),
+            call.recv.dtype.str, call.topology)
+
+
+def records(state) -> dict:
+    """The learning records of a communicator's state, by case (made on first use)."""
+    found = _RECORDS.get(id(state))
+    if found is None:
+        found = _RECORDS[id(state)] = {}
+        weakref.finalize(state, _RECORDS.pop, id(state), None)
+    return found
+
+
+def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, one_node) -> str:
+    """What ``auto`` runs for ``call`` given the rules' choice ``ruled``: ``ruled`` where
+    nothing learns, the case's learned choice, or :data:`LEARNING` (bind a :class:`Learner`).
+    ``one_node()``: whether every rank is on one node (asked once per case; collective the
+    first time on a communicator, as ``auto``'s first call is everywhere)."""
+    settings = select.learn_settings()
+    if not settings.on or what not in LEARNS or shared or nranks < 2 \
+            or call.recv.size == 0 or call.reducer is None or call.collective != "allreduce":
+        return ruled
+    cases = records(state)
+    key = case(call)
+    record = cases.get(key)
+    if record is None:
+        candidates = select.learn_candidates(
+            nranks, call.recv.nbytes, call.reducer, call.send is None, one_node(), ruled,
+            call.recv.dtype.str, call.topology)
+        record = cases[key] = Record(key, candidates, ruled, settings.runs, settings.relearn)
+    if record.winner is not None and not record.relearn:
+        return record.winner
+    return LEARNING
+
+
+def record_of(state, call) -> Record:
+    return records(state)[case(call)]
+
+
+class Learner:
+    """A plan that learns its case (:class:`Record`): each run is one candidate's run, timed;
+    once the case is decided, the winner's. Behind the plan interface (``run``, ``start``,
+    ``wait``, ``free``, ``nbytes``); ``bind(algorithm=name)`` binds a candidate for the same
+    buffers (on first use: every rank reaches it at the same call of the case)."""
+
+    traced = False
+
+    def __init__(self, state, call, bind):
+        self._state = state
+        self.record = record_of(state, call)
+        self._bind = bind
+        self.comm = state.private
+        self.sendbuf, self.recvbuf, self.reducer = call.send, call.recv, call.reducer
+        self.timeout = None
+        self._plans: dict = {}
+        self._freed = False
+        self._done = self._request = None  # (the starter's, as for every plan without steps)
+
+    @property
+    def algorithm(self) -> str:
+        return self.record.winner or "auto"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(plan.nbytes for plan in self._plans.values())
+
+    def plan_of(self, name: str):
+        plan = self._plans.get(name)
+        if plan is None:
+            plan = self._plans[name] = self._bind(algorithm=name)
+        return plan
+
+    def run(self, timeout: float | None = None) -> np.ndarray:
+        """Run the case's candidate due now (timed), or its winner; with ``timeout``, the
+        winner or the rules' choice, untimed."""
+        if self._freed:
+            raise ValueError("this plan has been freed")
+        record = self.record
+        if timeout is not None:
+            return self.plan_of(record.winner or record.ruled).run(timeout)
+        if record.winner is not None:
+            if not record.relearn:
+                return self._adopt()
+            record.counted()
+            return self.plan_of(record.winner).run()
+        name, timed = record.due()
+        try:
+            plan = self.plan_of(name)
+        except ValueError:
+            record.exclude(name)
+            return self.plan_of(record.ruled).run()
+        start = MPI.Wtime()
+        result = plan.run()
+        record.ran(name, MPI.Wtime() - start, timed)
+        if record.calls >= record.total:
+            record.decide(self._state.private)
+            if not record.relearn:
+                forget(self._state, record)
+        return result
+
+    def _adopt(self) -> np.ndarray:
+        """The case is decided: keep the winner only, and run it directly from now on."""
+        winner = self.plan_of(self.record.winner)
+        for name, plan in list(self._plans.items()):
+            if plan is not winner:
+                plan.free()
+                del self._plans[name]
+        self.run, self.start, self.wait = winner.run, winner.start, winner.wait
+        return winner.run()
+
+    def start(self, timeout: float | None = None):
+        """Start a run (see :meth:`run`); a learning run runs whole, in call order."""
+        self._request = _hooks.starter(self, timeout)
+        return self._request
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        if self._request is None:
+            raise ValueError("wait() on a plan that was never started; call start() first")
+        return self._request.wait(timeout)
+
+    def free(self) -> None:
+        if not self._freed:
+            self._freed = True
+            for plan in self._plans.values():
+                plan.free()
+            self._plans.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        record = self.record
+        doing = (f"learned {record.winner}" if record.winner
+                 else f"learning {', '.join(record.candidates)}")
+        return f"<mpiallreduce.Plan auto ({doing}) count={self.recvbuf.size}>"
+
+
+def forget(state, record: Record) -> None:
+    """Drop this rank's cached calls that learn ``record``'s case, and the shapes of calls of
+    its size and mode, so their next call binds the winner (each rank at the same call)."""
+    calls = state.calls
+    for key, entry in list(calls.entries.items()):
+        plan = getattr(entry, "plan", None)
+        if isinstance(plan, Learner) and plan.record is record:
+            calls.lru.pop(key)
+            calls._drop(key, entry)
+    bucket, in_place, _, _, dtype, _ = record.key
+    for key, shape in list(calls.shapes.items()):
+        # shape_key: (comm, op, algorithm, topology, dtype, count, in place, params)
+        if key[2] == "auto" and key[6] == in_place and key[4].str == dtype \
+                and 1 << (max(key[4].itemsize * key[5], 1).bit_length() - 1) == bucket:
+            calls.shapes.pop(key)
+            calls._drop_shape(key, shape)
+
+
+def learned(comm) -> list[dict]:
+    """What ``auto`` learned on ``comm`` so far (this rank's view; the choices are every
+    rank's): one dict per case with its candidates, winner, agreed times (us) and cost."""
+    return [record.report() for record in records(comm_state(comm)).values()]
+
+
+def save(comm, path: str | None = None) -> str:
+    """Write what ``auto`` learned on ``comm`` as the measured table of its size
+    (:func:`.select.write_table`; ``path``: default :func:`.select.table_path`). Collective;
+    rank 0 writes. Each learned case gives its size bucket's choice, per op class and mode;
+    between learned sizes the smaller one's choice holds, below the smallest the rules'.
+    Returns the path."""
+    path = path or select.table_path() or select.default_path()
+    classes: dict[str, list] = {}
+    measured: dict[str, dict] = {}
+    for record in sorted(records(comm_state(comm)).values(), key=lambda r: r.key[:3]):
+        if record.winner is None or record.key[5] is not None or record.key[3]:
+            continue  # not decided; a topology passed; 8/16-bit sums (their own rule)
+        bucket, in_place, commutative = record.key[:3]
+        name = ("commutative" if commutative else "noncommutative") \
+            + ("_in_place" if in_place else "")
+        ranges = classes.setdefault(name, [])
+        if ranges and ranges[-1]["min_bytes"] == bucket:
+            continue  # another dtype of the same size: the first learned stays
+        if ranges:
+            ranges[-1]["max_bytes"] = bucket
+        elif bucket > 0:
+            ranges.append({"min_bytes": 0, "max_bytes": bucket, "algorithm": record.ruled})
+        ranges.append({"min_bytes": bucket, "max_bytes": None, "algorithm": record.winner})
+        measured.setdefault(name, {})[str(bucket)] = {
+            k: round(1e6 * t, 3) for k, t in record.agreed.items()}
+    for name, ranges in classes.items():  # equal neighbours merge
+        merged = []
+        for item in ranges:
+            if merged and merged[-1]["algorithm"] == item["algorithm"]:
+                merged[-1]["max_bytes"] = item["max_bytes"]
+            else:
+                merged.append(item)
+        classes[name] = merged
+    library = MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00")
+    size = comm.Get_size()
+    record = {
+        "machine": f"{platform.node()}, {os.cpu_count()} cores, {library}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": f"learned by auto in a run of {size} rank(s) (mpiallreduce.learn.save)",
+        "measured": {"unit": "median us per call, slowest rank, per size bucket", **measured},
+    }
+    table = {"nranks": size, "provenance": f"learned-n{size}", "classes": classes}
+    if comm.Get_rank() == 0 and classes:
+        select.write_table(path, table, record)
+    comm.Barrier()
+    return path
