@@ -13,6 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import algorithms
+from ..algorithms.ring_segmented import default_segment_bytes, pieces
 from ..errors import ScheduleError
 from ..schedule import REDUCE
 from ..topology import Topology
@@ -163,6 +164,23 @@ def _partitions(topology: Topology, rotation: bool = False, nclasses: int = 2):
         yield "local rank", topology.local_rank
 
 
+@lru_cache(maxsize=32)
+def _classes(topology: Topology, rotation: bool, nclasses: int) -> tuple:
+    """:func:`_partitions` as (label, class of every rank, representatives, class sizes): the
+    lowest rank of each class represents it (cached: every count asks again)."""
+    found = []
+    for label, labels in _partitions(topology, rotation, nclasses):
+        ids: dict = {}
+        class_of = tuple(ids.setdefault(label_, len(ids)) for label_ in labels)
+        reps = [0] * len(ids)
+        sizes = [0] * len(ids)
+        for rank in range(topology.nranks - 1, -1, -1):
+            reps[class_of[rank]] = rank
+            sizes[class_of[rank]] += 1
+        found.append((label, class_of, tuple(reps), tuple(sizes)))
+    return tuple(found)
+
+
 def _consistent(programs, class_of) -> bool:
     """True when the representatives' programs match as a quotient schedule (see module doc)."""
     length = max((len(p) for p in programs), default=0)
@@ -211,9 +229,17 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
     intern: dict = {}
     memo: dict = {}
 
+    # a ring of single blocks at count >= p: rank 0's program from the slots, not rebuilt
+    rotated = (symmetric and name in ROTATION_INVARIANT and count >= nranks > 1
+               and _single_blocks(name, nranks, count, merged))
+    if rotated:
+        slots = _ring_program(name, nranks, count, itemsize, params)
+
     def program(rank: int):
         if rank not in built:
-            if name in ROTATION_INVARIANT and rank and symmetric:
+            if rotated:
+                built[rank] = _ring_rotated(slots, rank, nranks, places, intern)
+            elif name in ROTATION_INVARIANT and rank and symmetric:
                 built[rank] = _rotate(program(0), rank, nranks, places, intern, memo)
             else:
                 steps = algorithm.steps(rank, nranks, count, topology=topology, **merged)
@@ -222,14 +248,8 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
 
     if symmetric:
         multilevel = len(places) > 1
-        for label, labels in _partitions(topology, name in ROTATION_INVARIANT, nclasses):
-            ids: dict = {}
-            class_of = tuple(ids.setdefault(label_, len(ids)) for label_ in labels)
-            reps = [0] * len(ids)
-            sizes = [0] * len(ids)
-            for rank in range(nranks - 1, -1, -1):
-                reps[class_of[rank]] = rank
-                sizes[class_of[rank]] += 1
+        for label, class_of, reps, sizes in _classes(topology, name in ROTATION_INVARIANT,
+                                                     nclasses):
             programs = [program(rep) for rep in reps]
             # rotation moves ranks of one local index onto each other and keeps the links;
             # only block sizes may differ (by one element), so no check
@@ -240,6 +260,68 @@ def _quotient(name: str, nranks: int, count: int, topology: Topology, itemsize: 
     programs = tuple(tuple(program(rank)) for rank in range(nranks))
     return _Quotient(tuple(range(nranks)), tuple(range(nranks)), (1,) * nranks, programs,
                      "every rank")
+
+
+def _single_blocks(name: str, nranks: int, count: int, merged: dict) -> bool:
+    """Whether every message of ``name`` at ``count`` is one whole ring block, as at count = p
+    (the ring always; the segmented ring while it cuts a block into one piece)."""
+    if name == "ring":
+        return True
+    if name == "ring_segmented":
+        itemsize = merged["itemsize"]
+        segment = merged.get("segment_bytes") or default_segment_bytes(count * itemsize)
+        return pieces(count, nranks, max(1, segment // itemsize)) == 1
+    return False
+
+
+@lru_cache(maxsize=32)
+def _ring_slots(name: str, nranks: int, itemsize: int, params: tuple) -> np.ndarray:
+    """Rank 0's ring program at ``count = p``: per step (send peer, send slot, receive peer,
+    receive slot, reduces), one row each."""
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    rows = []
+    for step_ in algorithm.steps(0, nranks, nranks, **merged):
+        (send,), (recv,) = step_.sends, step_.recvs
+        if send.size != 1 or recv.size != 1:
+            raise ScheduleError(f"{name}: rank 0's steps are not single ring blocks")
+        rows.append((send.peer, send.start, recv.peer, recv.start, recv.action == REDUCE))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+
+
+@lru_cache(maxsize=64)
+def _ring_program(name: str, nranks: int, count: int, itemsize: int, params: tuple):
+    """Rank 0's distinct steps at ``count`` (send peer, bytes, receive peer, bytes, reduces)
+    and the index of each step among them: every block's size from the slots at once."""
+    slots = _ring_slots(name, nranks, itemsize, params)
+    sent = _span_sizes(count, nranks, slots[:, 1], slots[:, 1] + 1) * itemsize
+    received = _span_sizes(count, nranks, slots[:, 3], slots[:, 3] + 1) * itemsize
+    rows = np.stack([slots[:, 0], sent, slots[:, 2], received, slots[:, 4]], axis=1)
+    # one integer per row (mixed radix of each column's distinct values): a 1-D unique
+    key, radix = np.zeros(len(rows), dtype=np.int64), 1
+    for column in rows.T:
+        values, code = np.unique(column, return_inverse=True)
+        key, radix = key * len(values) + code.reshape(-1), radix * len(values)
+    if radix >= 1 << 62:  # too many distinct values for one integer: rows as they are
+        _, first, index = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    else:
+        _, first, index = np.unique(key, return_index=True, return_inverse=True)
+    return (tuple(tuple(int(v) for v in rows[i]) for i in first),
+            index.reshape(-1).tolist())
+
+
+def _ring_rotated(slots, rank: int, nranks: int, places, intern: dict) -> list[_CostStep]:
+    """Rank 0's ring program moved to ``rank`` (peers + rank, rank 0's bytes), as
+    :func:`_rotate` of :func:`_compile` gives it, from the distinct steps only."""
+    distinct, index = slots
+    costs = []
+    for send_peer, sent, recv_peer, received, reduces in distinct:
+        send_to, recv_from = (rank + send_peer) % nranks, (rank + recv_peer) % nranks
+        costs.append(_cost_step(((send_to, sent, _link(places, rank, send_to)),),
+                                ((recv_from, received, _link(places, rank, recv_from)),),
+                                received if reduces else 0, intern,
+                                1 if reduces and received else 0))
+    return [costs[i] for i in index]
 
 
 # -- exact paths for schedules without symmetry: ranges as slot spans, every rank in NumPy -----------
@@ -297,27 +379,20 @@ def _table(name: str, nranks: int, topology: Topology, itemsize: int, params: tu
             if k >= len(program) or not program[k]:
                 continue
             active[k, rank] = True
-            for s in program[k].sends:
-                out.append((rank, s.peer, _link(places, rank, s.peer), s.start, s.stop))
-            for r in program[k].recvs:
-                if r.action == REDUCE:
-                    red.append((rank, r.start, r.stop))
-        out_array = np.asarray(out, dtype=np.int64).reshape(-1, 5)
+            out += [(rank, s.peer, s.start, s.stop) for s in program[k].sends]
+            red += [(rank, r.start, r.stop) for r in program[k].recvs if r.action == REDUCE]
+        sender, receiver, lo, hi = np.asarray(out, dtype=np.int64).reshape(-1, 4).T
         red_array = np.asarray(red, dtype=np.int64).reshape(-1, 3)
-        sends.append(tuple(out_array.T))
+        sends.append((sender, receiver, _links(places, sender, receiver), lo, hi))
         reduces.append(tuple(red_array.T))
     return _Table(parts, active, tuple(sends), tuple(reduces))
 
 
 @lru_cache(maxsize=32)
 def _ring_base(name: str, nranks: int, itemsize: int, params: tuple):
-    """Rank 0's ring program at ``count = p`` as (send offset, send slot, recv slot, reduces)."""
-    algorithm = algorithms.get(name)
-    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
-    base = []
-    for step_ in algorithm.steps(0, nranks, nranks, **merged):
-        (send,), (recv,) = step_.sends, step_.recvs
-        if send.size != 1 or recv.size != 1 or (send.peer - recv.peer) % nranks != 2 % nranks:
-            raise ScheduleError(f"{name}: rank 0's steps are not single ring blocks")
-        base.append((send.peer, send.start, recv.action == REDUCE))
-    return tuple(base)
+    """Rank 0's ring program at ``count = p`` as (send offset, send slot, reduces) per step."""
+    slots = _ring_slots(name, nranks, itemsize, params)
+    if len(slots) and np.any((slots[:, 0] - slots[:, 2]) % nranks != 2 % nranks):
+        raise ScheduleError(f"{name}: rank 0's steps are not single ring blocks")
+    return tuple((int(send_peer), int(send_slot), bool(reduces))
+                 for send_peer, send_slot, _, _, reduces in slots)

@@ -155,8 +155,12 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
     reduce_cost = float(costs.reduce(itemsize, 1))
     for offset, slot, reduces in base:
         start, shift = -slot % nranks, offset % nranks
-        sender = around[start:start + count]
-        receiver = around[start + shift:start + shift + count]
+        # a cyclic range that does not wrap is a slice: views instead of gathers
+        sender = (slice(start, start + count) if start + count <= nranks
+                  else around[start:start + count])
+        first = (start + shift) % nranks
+        receiver = (slice(first, first + count) if first + count <= nranks
+                    else around[first:first + count])
         if offset not in message:
             ranks = np.arange(nranks)
             classes = _links(places, ranks, (ranks + offset) % nranks)
@@ -339,10 +343,11 @@ def _counts(quotient: _Quotient):
     pairs: dict | None = {} if quotient.full else None
     steps = 0
     for c, program in enumerate(quotient.programs):
-        steps = max(steps, sum(1 for cost in program if cost is not None))
         # cost steps are interned: count each distinct one once, then weigh it by its repeats
-        repeats = Counter(id(cost) for cost in program if cost is not None)
-        distinct = {id(cost): cost for cost in program if cost is not None}
+        repeats = Counter(map(id, program))
+        repeats.pop(id(None), None)
+        steps = max(steps, sum(repeats.values()))
+        distinct = dict(zip(map(id, program), program))
         for key, times in repeats.items():
             for peer, nbytes_sent, link in distinct[key].sends:
                 sent_bytes[c] += nbytes_sent * times
