@@ -158,7 +158,7 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     if name == learn.LEARNING:
         return learn.Learner(state, call, partial(
             build, call, state, explicit=explicit, persistent=persistent, timeout=timeout,
-            what=what, borrow_scratch=borrow_scratch, shared=shared))
+            what=what, borrow_scratch=borrow_scratch, shared=shared), explicit)
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,

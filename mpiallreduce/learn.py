@@ -7,9 +7,11 @@ topology passed). The rules' choice is the first guess; :func:`.select.learn_can
 native, ``shm`` on one node and the model's leading schedules (a handful at most). The case's
 :class:`Record` then hands its calls to the candidates in turn, one call each, round after
 round: a first untimed round (pages, connections), then ``runs`` timed ones (interleaved, so a
-burst of load hits every candidate alike). After the last, every rank takes each candidate's
-median, one ``Allreduce(MAX)`` on the private communicator makes them the slowest rank's, and
-the fastest of those wins: the same bits on every rank, so the same choice, by construction.
+burst of load hits every candidate alike). A one-shot call's candidate is timed with the
+argument check it will pay once bound (one more check, except for ``shm``, whose run checks
+the arguments itself). After the last, every rank takes each candidate's least time, one
+``Allreduce(MAX)`` on the private communicator makes them the slowest rank's, and the fastest
+of those wins: the same bits on every rank, so the same choice, by construction.
 
 Every rank makes the same calls on a communicator in the same order (MPI's rule), so each
 case's count of calls, and with it the candidate a call runs and the call that decides, is the
@@ -32,13 +34,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import statistics
 import weakref
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _hooks, select
+from ._agree import Signature, agree
+from ._checks import ALGORITHMS
 from ._state import state as comm_state
 
 #: what :func:`resolve` returns while a case is being learned: build a :class:`Learner`.
@@ -59,7 +62,7 @@ class Record:
         self.ruled = ruled  # the rules' choice: runs with a deadline until one is learned
         self.runs, self.relearn = runs, relearn
         self.winner: str | None = None
-        self.agreed: dict[str, float] = {}  # median seconds per run, slowest rank
+        self.agreed: dict[str, float] = {}  # least seconds per run, slowest rank
         self.rounds = 0  # decisions made
         self.learning_calls = 0  # calls that ran a candidate, every round
         self.cost = 0.0  # seconds this rank spent in them
@@ -96,7 +99,9 @@ class Record:
 
     def decide(self, comm: MPI.Intracomm) -> str:
         """Agree on the fastest (collective: every rank calls it at the same call)."""
-        local = {name: statistics.median(samples) for name, samples in self.samples.items()}
+        # the fastest run of each (interleaved: a burst of load on a shared machine slows
+        # whichever candidate it meets; the least time is the one it did not meet)
+        local = {name: min(samples) for name, samples in self.samples.items()}
         self.winner, self.agreed = fastest(comm, self.candidates, local)
         self.rounds += 1
         self.since = 0
@@ -181,10 +186,13 @@ class Learner:
 
     traced = False
 
-    def __init__(self, state, call, bind):
+    def __init__(self, state, call, bind, explicit: bool = True):
         self._state = state
         self.record = record_of(state, call)
         self._bind = bind
+        # a one-shot call pays the argument check before its run, except where the run is
+        # shm's (which checks them itself): its candidates are timed with one check each
+        self._check = None if explicit else Signature(call.signature(None))
         self.comm = state.private
         self.sendbuf, self.recvbuf, self.reducer = call.send, call.recv, call.reducer
         self.timeout = None
@@ -225,7 +233,10 @@ class Learner:
         except ValueError:
             record.exclude(name)
             return self.plan_of(record.ruled).run()
+        check = self._check
         start = MPI.Wtime()
+        if check is not None and name != "shm":
+            agree(self._state.checker, "allreduce", check, None, ALGORITHMS)
         result = plan.run()
         record.ran(name, MPI.Wtime() - start, timed)
         if record.calls >= record.total:
@@ -337,7 +348,8 @@ def save(comm, path: str | None = None) -> str:
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {library}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": f"learned by auto in a run of {size} rank(s) (mpiallreduce.learn.save)",
-        "measured": {"unit": "median us per call, slowest rank, per size bucket", **measured},
+        "measured": {"unit": "least us per call of the learning runs, slowest rank, per size "
+                             "bucket", **measured},
     }
     table = {"nranks": size, "provenance": f"learned-n{size}", "classes": classes}
     if comm.Get_rank() == 0 and classes:

@@ -1,0 +1,165 @@
+"""Does ``auto`` with learning match the best algorithm on this machine? (issue 38, item 2)
+
+    mpirun -n 2 python -m mpi4py scripts/auto_learn.py [--sizes 8,64,512,4K,32K,256K,2M,8M,64M]
+        [--modes out,in] [--repeats 5] [--runs 5] [--json FILE]
+
+For every size and mode, on a fresh duplicate of COMM_WORLD (nothing learned yet), with
+``MPIALLREDUCE_LEARN=on`` and no tuning table (``MPIALLREDUCE_TUNING=off``: the built-in rules
+are the first guess, unedited): repeated ``mar.allreduce`` calls under ``auto`` (float64 SUM,
+the same arrays every call) until the case is learned, counting the calls and their time. Then
+``auto``'s call (now the winner's cached call) and a call of every algorithm by name
+(``native``, ``shm`` on one node, every schedule; the same arrays, ``check=True`` as ``auto``'s),
+and ``comm.Allreduce`` for reference, timed interleaved as ``mpiallreduce.tune`` times: rounds
+whose order rotates, a batch of calls each, the slowest rank's mean, the median over rounds.
+
+Prints one row per size and mode: auto's time after learning, the best algorithm's (by name)
+and their ratio (the target: <= 1.05), what ``auto`` picked among which candidates, how many
+calls learning took, what they cost in all and beyond the same number of the winner's calls.
+Times are microseconds per call; rank 0 prints. The machine's load is printed first: on a
+shared machine compare ratios within a run, never absolute times between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from functools import partial
+
+# learning on, no tuning table: the built-in rules, unedited, are the first guess
+os.environ["MPIALLREDUCE_LEARN"] = "on"
+os.environ["MPIALLREDUCE_TUNING"] = "off"
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpiallreduce as mar  # noqa: E402
+from mpiallreduce import algorithms, learn, select  # noqa: E402
+from mpiallreduce.sizes import human, parse_sizes  # noqa: E402
+from mpiallreduce.tune import batch  # noqa: E402
+
+DEFAULT_SIZES = "8,64,512,4K,32K,256K,2M,8M,64M"
+#: most calls a case may take to learn before the script gives up on it (a defect)
+MOST_LEARNING_CALLS = 1000
+
+
+def _learn(comm, send, out) -> tuple[int, float, dict]:
+    """Call auto until the case is learned; return the calls, their seconds (slowest rank)
+    and the case's report."""
+    calls, seconds = 0, 0.0
+    while True:
+        comm.Barrier()
+        start = MPI.Wtime()
+        mar.allreduce(send, out, comm=comm)
+        seconds += MPI.Wtime() - start
+        calls += 1
+        (report,) = learn.learned(comm)
+        if report["winner"] is not None or calls >= MOST_LEARNING_CALLS:
+            return calls, comm.allreduce(seconds, op=MPI.MAX), report
+
+
+def _contenders(comm, send, out) -> dict:
+    """auto and every algorithm by name that takes the call (each called once here)."""
+    ways = {"auto": lambda: mar.allreduce(send, out, comm=comm),
+            "comm.Allreduce": lambda: comm.Allreduce(send, out)}
+    for name in ("native", "shm", *algorithms.REGISTRY):
+        try:
+            mar.allreduce(send, out, comm=comm, algorithm=name)
+        except ValueError:
+            continue  # refused on every rank alike (shm across nodes)
+        ways[name] = partial(mar.allreduce, send, out, comm=comm, algorithm=name)
+    return ways
+
+
+def _time(comm, ways: dict, size: int, repeats: int) -> dict[str, float]:
+    runs = batch(size)
+    labels = list(ways)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    for label in labels:
+        ways[label]()  # warm
+    for round_ in range(repeats):
+        shift = round_ % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            call = ways[label]
+            comm.Barrier()
+            start = MPI.Wtime()
+            for _ in range(runs):
+                call()
+            samples[label].append(comm.allreduce((MPI.Wtime() - start) / runs, op=MPI.MAX))
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def case(world, size: int, in_place: bool, repeats: int) -> dict:
+    comm = world.Dup()  # nothing learned on it yet
+    try:
+        count = max(size // 8, 1)
+        rng = np.random.default_rng([comm.rank, count])
+        x = rng.integers(-8, 9, count).astype(np.float64)
+        # in place, the buffer holds zeros: every call's input is its last result, and zeros
+        # stay zeros (no overflow to inf over thousands of calls)
+        out = np.zeros(count) if in_place else np.empty(count)
+        send = MPI.IN_PLACE if in_place else x
+        calls, cost, report = _learn(comm, send, out)
+        times = _time(comm, _contenders(comm, send, out), size, repeats)
+        ours = {k: t for k, t in times.items() if k not in ("auto", "comm.Allreduce")}
+        best = min(ours, key=ours.get)
+        winner = report["winner"]
+        return {"bytes": size, "mode": "in" if in_place else "out", "auto_us": 1e6 * times["auto"],
+                "best": best, "best_us": 1e6 * ours[best], "ratio": times["auto"] / ours[best],
+                "picked": winner, "candidates": report["candidates"],
+                "learning_calls": calls, "learning_ms": 1e3 * cost,
+                "learning_extra_ms": 1e3 * (cost - calls * ours.get(winner, times["auto"])),
+                "comm_allreduce_us": 1e6 * times["comm.Allreduce"],
+                "us": {k: round(1e6 * t, 2) for k, t in times.items()}}
+    finally:
+        comm.Free()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES)
+    parser.add_argument("--modes", default="out,in")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=None,
+                        help="timed runs per candidate while learning (MPIALLREDUCE_LEARN_RUNS)")
+    parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    args = parser.parse_args(argv)
+    if args.runs is not None:
+        os.environ["MPIALLREDUCE_LEARN_RUNS"] = str(args.runs)
+    world = MPI.COMM_WORLD
+    sizes = [s for s in parse_sizes(args.sizes) if s >= 8]
+    modes = [m.strip() for m in args.modes.split(",")]
+    if world.rank == 0:
+        load = os.getloadavg() if hasattr(os, "getloadavg") else None
+        print(f"# {world.size} ranks, {os.cpu_count()} cores, load {load}, float64 SUM, "
+              f"{args.repeats} interleaved rounds; learning: {select.learn_settings()}",
+              flush=True)
+        print(f"# {'size':>5} {'mode':>4} {'auto':>10} {'best':>10} {'ratio':>6}  "
+              f"{'best is':<18} {'auto picked':<18} {'calls':>5} {'cost ms':>8} {'extra ms':>8}"
+              f"  candidates", flush=True)
+    rows = []
+    for size in sizes:
+        for mode in modes:
+            row = case(world, size, mode == "in", args.repeats)
+            rows.append(row)
+            if world.rank == 0:
+                print(f"  {human(size):>5} {row['mode']:>4} {row['auto_us']:10.1f} "
+                      f"{row['best_us']:10.1f} {row['ratio']:6.2f}  {row['best']:<18} "
+                      f"{row['picked']:<18} {row['learning_calls']:5d} "
+                      f"{row['learning_ms']:8.1f} {row['learning_extra_ms']:8.1f}  "
+                      f"{','.join(row['candidates'])}", flush=True)
+    if world.rank == 0:
+        within = sum(row["ratio"] <= 1.05 for row in rows)
+        print(f"# auto within 1.05x of the best: {within} of {len(rows)} rows; worst "
+              f"{max(row['ratio'] for row in rows):.2f}x; load now {os.getloadavg()}", flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as file:
+                json.dump({"ranks": world.size, "rows": rows}, file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""``auto`` learning on the machine at hand (:mod:`mpiallreduce.learn`), at every rank count.
+
+Every case: results equal to ``comm.Allreduce`` on every rank (or an exact reference), the
+same choice on every rank, calls with ``timeout=`` never timed, plans and repeated calls,
+counts 0, 1, below p and large, call caches that differ between ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import (
+    affine_compose,
+    affine_maps,
+    assert_matches_native,
+    assert_on_every_rank,
+    awkward_counts,
+    contribution,
+)
+from mpi4py import MPI
+
+import mpiallreduce as mar
+from mpiallreduce import _state, algorithms, learn, ops, select
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def comm():
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+@pytest.fixture(autouse=True)
+def learning(monkeypatch):
+    """Learning on, one timed run per candidate (the tests count calls, not time)."""
+    monkeypatch.setenv(select.LEARN_ENV, "on")
+    monkeypatch.setenv(select.LEARN_RUNS_ENV, "1")
+    monkeypatch.delenv(select.RELEARN_ENV, raising=False)
+
+
+def _records(comm) -> list[learn.Record]:
+    state = _state.existing(comm)
+    return [] if state is None else list(learn.records(state).values())
+
+
+def _enough(comm) -> int:
+    """Calls that finish learning any case (candidates x (runs + 1)), and some more."""
+    return select.LEARN_CANDIDATES * 2 + 3
+
+
+def _same_choices(comm) -> None:
+    mine = sorted((r.key[:5], r.winner, tuple(r.candidates), r.learning_calls)
+                  for r in _records(comm))
+    assert_on_every_rank(comm, None if len(set(map(repr, comm.allgather(mine)))) == 1
+                         else f"rank {comm.rank}: choices differ across ranks: {mine}")
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("count_of", ["0", "1", "p-1", "large"])
+def test_repeated_calls_learn_and_stay_correct(comm, in_place, count_of):
+    p = comm.size
+    count = {"0": 0, "1": 1, "p-1": max(p - 1, 1), "large": 100_003}[count_of]
+    for call in range(_enough(comm)):
+        x = contribution(comm, count, "float64", seed=call)
+        out = np.empty_like(x)
+        buf = x.copy()
+        for _ in range(2):  # the same arrays again: the call cache's entry
+            if in_place:
+                buf[:] = x
+                result = mar.allreduce(MPI.IN_PLACE, buf, comm=comm)
+            else:
+                result = mar.allreduce(x, out, comm=comm)
+            assert_matches_native(comm, x, result, MPI.SUM)
+    records = _records(comm)
+    if p == 1 or count == 0:
+        assert records == []  # nothing to learn: one rank, or nothing to reduce
+        return
+    (record,) = records
+    assert record.winner in record.candidates and record.rounds == 1
+    assert record.learning_calls == len(record.candidates) * 2
+    assert record.candidates[0] == record.ruled and len(record.candidates) <= 4
+    _same_choices(comm)
+
+
+def test_the_same_arrays_bind_the_winner_after_learning(comm):
+    """Once learned, the cached call is the winner's own plan (no learning plan in the path)."""
+    x = contribution(comm, 1000, "float64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    if comm.size == 1:
+        return
+    entries = list(_state.existing(comm).calls.entries.values())
+    assert entries and not any(isinstance(e.plan, learn.Learner) for e in entries)
+    (record,) = _records(comm)
+    assert entries[-1].plan.algorithm == record.winner
+    _same_choices(comm)
+
+
+def test_a_plan_learns_in_its_runs_then_runs_the_winner(comm):
+    x = contribution(comm, 4099, "float64")
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm) as plan:
+        for round_ in range(_enough(comm)):
+            x[:] = contribution(comm, 4099, "float64", seed=round_)
+            plan.run()
+            assert_matches_native(comm, x, out, MPI.SUM)
+        if comm.size > 1:
+            assert isinstance(plan, learn.Learner) and plan.algorithm == plan.record.winner
+            assert_on_every_rank(comm, None if len(set(comm.allgather(plan.algorithm))) == 1
+                                 else "plans chose differently")
+        request = plan.start()  # the winner's own start and wait
+        request.wait()
+        assert_matches_native(comm, x, out, MPI.SUM)
+
+
+def test_calls_with_a_timeout_are_never_timed(comm):
+    x = contribution(comm, 300, "float64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm, timeout=30)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    assert all(r.learning_calls == 0 and r.winner is None for r in _records(comm))
+    # mixed: timed calls learn, calls with a timeout in between run the rules' or the winner
+    for call in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm, timeout=30 if call % 2 else None)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    _same_choices(comm)
+
+
+def test_call_caches_that_differ_between_ranks_still_agree(comm):
+    """Rank 0 keeps no call (every call binds afresh), the others keep theirs: the case's count
+    of calls, not the cache, says which candidate runs, so every rank runs the same one."""
+    state = _state.state(comm)
+    if comm.rank == 0:
+        state.calls.max_entries = 0
+    a, b = contribution(comm, 777, "float64"), contribution(comm, 700, "float64", seed=1)
+    out_a, out_b = np.empty_like(a), np.empty_like(b)
+    for _ in range(_enough(comm)):  # two arrays of one case, alternating
+        mar.allreduce(a, out_a, comm=comm)
+        mar.allreduce(b, out_b, comm=comm)
+        assert_matches_native(comm, a, out_a, MPI.SUM)
+        assert_matches_native(comm, b, out_b, MPI.SUM)
+    _same_choices(comm)
+
+
+def test_a_non_commutative_op_learns_among_order_keeping_algorithms(comm):
+    op = MPI.Op.Create(affine_compose, commute=False)
+    try:
+        x = affine_maps(comm, 5 * comm.size + 1)
+        out = np.empty_like(x)
+        for _ in range(_enough(comm)):
+            mar.allreduce(x, out, op=op, comm=comm)
+            assert_matches_native(comm, x, out, op)  # MPI keeps rank order too
+    finally:
+        op.Free()
+    for record in _records(comm):
+        assert not any(name in algorithms.REGISTRY and algorithms.REGISTRY[name].commutative_only
+                       for name in record.candidates)
+    _same_choices(comm)
+
+
+def test_8_bit_sums_never_learn_a_saturating_native(comm):
+    x = np.full(64, 100, dtype=np.int8)
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        expected = (np.int64(100) * comm.size + 128) % 256 - 128  # C's modular sum
+        problem = None if (out == expected).all() else f"rank {comm.rank}: {out[:4]}"
+        assert_on_every_rank(comm, problem, out)
+    if ops.native_deviates("SUM", np.dtype(np.int8)):
+        assert all("native" not in r.candidates for r in _records(comm))
+
+
+def test_relearning_times_the_case_again(comm, monkeypatch):
+    monkeypatch.setenv(select.RELEARN_ENV, "3")
+    x = contribution(comm, 64, "float64")
+    out = np.empty_like(x)
+    for _ in range(3 * _enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    if comm.size > 1:
+        (record,) = _records(comm)
+        assert record.rounds >= 2
+    _same_choices(comm)
+
+
+@pytest.mark.parametrize("count", [1, 5, 1000])
+def test_awkward_counts_and_learned_report(comm, count):
+    if count not in awkward_counts(comm.size) and count != 5:
+        pytest.skip("not awkward here")
+    x = contribution(comm, count, "int64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    for row in learn.learned(comm):
+        assert row["winner"] in row["candidates"] and row["learning_calls"] > 0
+
+
+def test_save_writes_a_table_auto_reads(comm, tmp_path_factory, monkeypatch):
+    x = contribution(comm, 512, "float64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        mar.allreduce(MPI.IN_PLACE, out, comm=comm)
+    path = comm.bcast(str(tmp_path_factory.mktemp("learned") / "tuning.json")
+                      if comm.rank == 0 else None)
+    learn.save(comm, path)
+    if comm.size == 1:
+        return
+    with open(path, encoding="utf-8") as file:
+        table = select.parse(json.load(file))
+    winners = {r.key[1]: r.winner for r in _records(comm)}
+    assert select.lookup(table, comm.size, 4096, True, False) == winners[False]
+    assert select.lookup(table, comm.size, 4096, True, True) == winners[True]
+
+
+def test_learning_is_off_by_default(comm, monkeypatch):
+    monkeypatch.delenv(select.LEARN_ENV)
+    x = contribution(comm, 64, "float64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+    assert _records(comm) == []
