@@ -1,0 +1,96 @@
+"""What learning times and how it is switched (serial: :mod:`mpiallreduce.select`'s part)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpiallreduce import algorithms, select
+from mpiallreduce.ops import reducer
+
+
+def _user_op():
+    return MPI.Op.Create(lambda a, b, t: None, commute=False)
+
+
+def test_the_switches_default_off_and_read_the_environment(monkeypatch):
+    for name in (select.LEARN_ENV, select.LEARN_RUNS_ENV, select.RELEARN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert select.learn_settings() == select.LearnSettings(False, select.LEARN_RUNS, 0)
+    monkeypatch.setenv(select.LEARN_ENV, "ON")
+    monkeypatch.setenv(select.LEARN_RUNS_ENV, "2")
+    monkeypatch.setenv(select.RELEARN_ENV, "1000")
+    assert select.learn_settings() == select.LearnSettings(True, 2, 1000)
+
+
+@pytest.mark.parametrize("name, value", [("MPIALLREDUCE_LEARN", "maybe"),
+                                         ("MPIALLREDUCE_LEARN_RUNS", "0"),
+                                         ("MPIALLREDUCE_LEARN_RUNS", "x"),
+                                         ("MPIALLREDUCE_RELEARN_EVERY", "-1")])
+def test_a_bad_switch_is_a_clear_error(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        select.learn_settings()
+
+
+def test_the_switches_change_the_digest_the_ranks_compare(monkeypatch):
+    monkeypatch.setenv(select.TUNING_ENV, "off")
+    monkeypatch.delenv(select.LEARN_ENV, raising=False)
+    off = select.digest()
+    monkeypatch.setenv(select.LEARN_ENV, "on")
+    on = select.digest()
+    monkeypatch.setenv(select.LEARN_RUNS_ENV, "9")
+    assert len({off, on, select.digest()}) == 3
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("nbytes", [8, 1000, 65536, 8 << 20, 64 << 20])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("one_node", [False, True])
+def test_candidates_start_with_the_rules_and_are_a_handful(nranks, nbytes, in_place, one_node):
+    red = reducer(MPI.SUM, np.dtype(np.float64))
+    ruled = select.choose(nranks, nbytes, red)
+    names = select.learn_candidates(nranks, nbytes, red, in_place, one_node, ruled)
+    assert names[0] == ruled and len(names) == len(set(names)) <= select.LEARN_CANDIDATES
+    assert "native" in names
+    assert ("shm" in names) == one_node or ruled == "shm"
+    assert all(name in ("native", "shm") or name in algorithms.REGISTRY for name in names)
+    # the same answer for the same arguments (every rank asks alike)
+    assert names == select.learn_candidates(nranks, nbytes, red, in_place, one_node, ruled)
+
+
+def test_non_commutative_ops_get_order_keeping_candidates_only():
+    op = _user_op()
+    try:
+        red = reducer(op, np.dtype(np.float64))
+        names = select.learn_candidates(4, 1 << 20, red, False, True, "native")
+    finally:
+        op.Free()
+    assert not any(name in algorithms.REGISTRY and algorithms.REGISTRY[name].commutative_only
+                   for name in names)
+
+
+def test_saturating_native_sums_are_not_candidates():
+    red = reducer(MPI.SUM, np.dtype(np.int8))
+    names = select.learn_candidates(2, 64, red, False, False, "recursive_doubling", "int8")
+    if select.native_deviates_for("SUM", "int8"):
+        assert "native" not in names
+
+
+def test_a_table_keeps_in_place_ranges_of_their_own():
+    table = select.parse({"format": select.FORMAT, "provenance": {}, "tables": [{
+        "nranks": 2, "classes": {
+            "commutative": [{"min_bytes": 0, "max_bytes": None, "algorithm": "native"}],
+            "commutative_in_place": [{"min_bytes": 0, "max_bytes": 4096, "algorithm": "shm"},
+                                     {"min_bytes": 4096, "max_bytes": None,
+                                      "algorithm": "ring"}]}}]})
+    assert select.lookup(table, 2, 100, True) == "native"
+    assert select.lookup(table, 2, 100, True, in_place=True) == "shm"
+    assert select.lookup(table, 2, 1 << 20, True, in_place=True) == "ring"
+    # no in-place ranges: the class's own hold in place too
+    assert select.lookup(table, 2, 100, False, in_place=True) is None
+    with pytest.raises(ValueError, match="reorders"):
+        select.parse({"format": select.FORMAT, "provenance": {}, "tables": [{
+            "nranks": 2, "classes": {"noncommutative_in_place": [
+                {"min_bytes": 0, "max_bytes": None, "algorithm": "ring"}]}}]})
