@@ -123,15 +123,21 @@ class Record:
                 "rounds": self.rounds}
 
 
-def fastest(comm: MPI.Intracomm, names, seconds: dict) -> tuple[str, dict]:
-    """Return the fastest of ``names`` and every one's time, agreed across ``comm``: each
-    rank's ``seconds[name]`` (missing: never) maxed over ranks by one ``Allreduce`` (exact, so
-    every rank gets the same bits), ties to the earlier name. Collective."""
-    times = np.array([seconds.get(name, np.inf) for name in names], dtype=np.float64)
+def slowest(comm: MPI.Intracomm, seconds) -> np.ndarray:
+    """Every element of ``seconds`` (this rank's times) as the slowest rank's: one
+    ``Allreduce(MAX)`` (exact: every rank gets the same bits). Collective."""
+    times = np.array(seconds, dtype=np.float64)
     if comm.Get_size() > 1:
         comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    agreed = dict(zip(names, times.tolist()))
-    return names[int(np.argmin(times))], agreed
+    return times
+
+
+def fastest(comm: MPI.Intracomm, names, seconds: dict) -> tuple[str, dict]:
+    """Return the fastest of ``names`` and every one's time, agreed across ``comm``: each
+    rank's ``seconds[name]`` (missing: never) as the slowest rank's (:func:`slowest`), ties to
+    the earlier name. Collective; the same answer on every rank."""
+    times = slowest(comm, [seconds.get(name, np.inf) for name in names])
+    return names[int(np.argmin(times))], dict(zip(names, times.tolist()))
 
 
 def case(call) -> tuple:

@@ -1,8 +1,17 @@
 """Measure every algorithm and native on this machine and write the decision table ``auto`` reads.
 
     mpirun -n N python -m mpi4py -m mpiallreduce.tune [--sizes 8:64M] [--repeats 5] [--output PATH]
+        [--modes out,in]
 
-For every message size (powers of two) and op class, every rank builds one plan per candidate
+The offline form of what ``auto`` does online with ``MPIALLREDUCE_LEARN=on``
+(:mod:`mpiallreduce.learn`): time candidates interleaved, make each time the slowest rank's
+with one collective (:func:`mpiallreduce.learn.slowest`), keep the fastest; here every
+candidate, at every size, in both modes, and written to the table file, where learning times a
+handful per case that the running program meets and keeps it for the communicator
+(:func:`mpiallreduce.learn.save` writes what it learned in this same format).
+
+For every message size (powers of two), op class and mode (out of place, and in place: the
+``_in_place`` classes), every rank builds one plan per candidate
 (every registered algorithm that accepts the op class, and ``native``), then runs them
 *interleaved*: ``repeats`` rounds, each timing a batch of runs of every candidate in turn (the
 order rotated each round), so a burst of load on a shared machine hits every candidate alike. A
@@ -39,7 +48,7 @@ from mpi4py import MPI
 
 import mpiallreduce as mar
 
-from . import algorithms, select
+from . import algorithms, learn, select
 from .sizes import UsageError, human, parse_sizes
 
 DEFAULT_SIZES = "8:64M"
@@ -84,7 +93,8 @@ def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
     every rank; candidates that refuse the case (ValueError from ``plan``) are left out."""
     count = size // 8
     x = np.random.default_rng([comm.rank, count]).integers(-8, 9, count).astype(np.float64)
-    recv = x.copy()
+    # in place, zeros: each run's input is the last one's result, and zeros stay zeros
+    recv = np.zeros_like(x) if in_place else x.copy()
     send = MPI.IN_PLACE if in_place else x
     plans = {}
     for cand in cands:
@@ -94,25 +104,26 @@ def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
         except ValueError:
             continue
     runs = batch(size)
-    times: dict[str, list[float]] = {label: [] for label in plans}
     labels = list(plans)
+    means = np.zeros((repeats, len(labels)))  # this rank's, per round and candidate
     try:
         for label in labels:  # warm-up: page in buffers and scratch, make the connections
             plans[label].run()
         for round_ in range(repeats):
             shift = round_ % max(len(labels), 1)
-            for label in labels[shift:] + labels[:shift]:
-                run = plans[label].run
+            for index in [*range(shift, len(labels)), *range(shift)]:
+                run = plans[labels[index]].run
                 comm.Barrier()
                 start = MPI.Wtime()
                 for _ in range(runs):
                     run()
-                mean = (MPI.Wtime() - start) / runs
-                times[label].append(comm.allreduce(mean, op=MPI.MAX))
+                means[round_, index] = (MPI.Wtime() - start) / runs
     finally:
         for plan in plans.values():
             plan.free()
-    return {label: statistics.median(samples) for label, samples in times.items()}
+    # the slowest rank's mean of each batch, as auto's learning agrees on times (one collective)
+    rounds = learn.slowest(comm, means)
+    return {label: statistics.median(rounds[:, index]) for index, label in enumerate(labels)}
 
 
 def decide(sizes: list[int], medians: list[dict[str, float]]) -> list[dict]:
@@ -134,26 +145,32 @@ def decide(sizes: list[int], medians: list[dict[str, float]]) -> list[dict]:
     return ranges
 
 
-def tune(comm, sizes: list[int], repeats: int, out=None) -> tuple[dict, dict]:
-    """Measure both op classes over ``sizes``; return this communicator size's table and its
-    provenance record (machine, date, command, the medians measured), as
-    :func:`mpiallreduce.select.write_table` takes them."""
+def tune(comm, sizes: list[int], repeats: int, out=None,
+         modes: tuple[str, ...] = ("out",)) -> tuple[dict, dict]:
+    """Measure both op classes over ``sizes`` in each of ``modes`` ("out": out of place, "in":
+    in place, whose ranges the table keeps as the ``_in_place`` classes); return this
+    communicator size's table and its provenance record (machine, date, command, the medians
+    measured), as :func:`mpiallreduce.select.write_table` takes them."""
     out = sys.stdout if out is None else out
     classes, measured = {}, {}
     user_op = MPI.Op.Create(_add, commute=False)
     try:
         for op_class, op in (("commutative", MPI.SUM), ("noncommutative", user_op)):
-            medians = []
-            for size in sizes:
-                times = measure(comm, candidates(op_class), size, repeats, op=op)
-                medians.append(times)
-                if comm.rank == 0:
-                    ranked = sorted(times, key=times.get)
-                    print(f"# {op_class:>14} {human(size):>5}: "
-                          + ", ".join(f"{label} {1e6 * times[label]:.1f}us" for label in ranked),
-                          file=out, flush=True)
-            classes[op_class] = decide(sizes, medians)
-            measured[op_class] = {str(size): {label: round(1e6 * t, 3) for label, t in m.items()}
+            for mode in modes:
+                name = op_class + ("_in_place" if mode == "in" else "")
+                medians = []
+                for size in sizes:
+                    times = measure(comm, candidates(op_class), size, repeats, op=op,
+                                    in_place=mode == "in")
+                    medians.append(times)
+                    if comm.rank == 0:
+                        ranked = sorted(times, key=times.get)
+                        print(f"# {name:>25} {human(size):>5}: " + ", ".join(
+                            f"{label} {1e6 * times[label]:.1f}us" for label in ranked),
+                            file=out, flush=True)
+                classes[name] = decide(sizes, medians)
+                measured[name] = {str(size): {label: round(1e6 * t, 3)
+                                              for label, t in m.items()}
                                   for size, m in zip(sizes, medians)}
     finally:
         user_op.Free()
@@ -164,7 +181,8 @@ def tune(comm, sizes: list[int], repeats: int, out=None) -> tuple[dict, dict]:
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {library}",
         "date": date,
         "command": f"mpirun -n {comm.size} python -m mpi4py -m mpiallreduce.tune --sizes "
-                   f"{human(sizes[0])}:{human(sizes[-1])} --repeats {repeats}",
+                   f"{human(sizes[0])}:{human(sizes[-1])} --repeats {repeats} "
+                   f"--modes {','.join(modes)}",
         "measured": {"unit": "median us per call over interleaved rounds, slowest rank, "
                              "float64 (commutative: SUM; noncommutative: a user add)",
                      "load": load, **measured},
@@ -203,6 +221,9 @@ def main(argv=None, comm=None, out=None) -> int:
     parser.add_argument("--compare", nargs="+", metavar="LABEL=ALGORITHM[:K=V,...]",
                         help="time these candidates and print medians; write no table")
     parser.add_argument("--in-place", action="store_true", help="with --compare: in place")
+    parser.add_argument("--modes", default="out,in", metavar="out,in",
+                        help="the table's modes: out of place, in place (its own ranges, "
+                             "which auto follows for in-place calls); default: out,in")
     args = parser.parse_args(argv)
     try:
         sizes = [s for s in parse_sizes(args.sizes) if s >= 8]  # float64 elements
@@ -220,7 +241,10 @@ def main(argv=None, comm=None, out=None) -> int:
                     f"{c.label} {1e6 * times[c.label]:.1f}us ({times[c.label] / best:.2f})"
                     for c in cands if c.label in times), file=out, flush=True)
         return 0
-    table, record = tune(comm, sizes, args.repeats, out)
+    modes = tuple(mode.strip() for mode in args.modes.split(","))
+    if not modes or set(modes) - {"out", "in"}:
+        parser.error(f"--modes takes out, in or out,in; got {args.modes!r}")
+    table, record = tune(comm, sizes, args.repeats, out, modes)
     path = args.output or select.table_path() or select.default_path()
     if comm.rank == 0:
         select.write_table(path, table, record)
