@@ -24,7 +24,14 @@ import platform
 import random
 import time
 
+from .. import _shm_sizes
+from .._shm_sizes import ALIGN, CHUNK_BYTES, MAX_CHUNKS, SMALL_BYTES, SMALL_BYTES_TWO_RANKS
 from ..ops import DTYPES, OP_NAMES
+
+# The regime and chunk sizes (SMALL_BYTES, SMALL_BYTES_TWO_RANKS, CHUNK_BYTES, MAX_CHUNKS,
+# ALIGN) are :mod:`.._shm_sizes`' (the model reads the same definitions); they are names of
+# this module too, which the functions below pass on, so that setting one here (``shm.X =``,
+# as tests do) changes what the transport does.
 
 #: bytes of each rank's header: counter, then two signatures (call parity), padded to two
 #: 64-byte lines so that a peer's adjacent-line prefetch never pulls in another rank's header.
@@ -42,22 +49,8 @@ DATA_FIELDS = ("count", "dtype", "op", "plan", "shared sendbuf", "sendbuf offset
 #: signature columns (after kind and digest) that say which plan runs on which memory: where
 #: these differ, the local message names them; elsewhere the agreement's exchange does.
 PLACEMENT = tuple(range(2 + DATA_FIELDS.index("plan"), 2 + len(DATA_FIELDS)))
-#: most bytes per rank of the small regime (every rank reduces every slot).
-SMALL_BYTES = 32 << 10
-#: the same at 2 ranks on private arrays (:func:`small_bytes`): there each rank reduces the
-#: whole message either way, and one epoch instead of two measured faster up to here
-#: (docs/performance.md, "Where shm stops").
-SMALL_BYTES_TWO_RANKS = 128 << 10
 #: smallest data window per rank (two parity slots); windows grow to the next power of two.
 MIN_WINDOW = 64 << 10
-#: bytes per rank of one chunk of the large regime on a private result: the message moves
-#: through two chunk buffers per parity slot, a chunk at a time, so the slots stay in the
-#: caches instead of streaming the whole message through memory twice more (see
-#: :class:`.large.ChunkedPlan`; measured in docs/performance.md, "Chunks").
-CHUNK_BYTES = 512 << 10
-#: most chunks of one call: a larger message takes larger chunks (the bound calls per chunk
-#: are kept per plan).
-MAX_CHUNKS = 1024
 #: the header word of the large regime's chunk steps (after the counter and the two
 #: signature areas): ``epoch << 24`` plus the step, so it only grows.
 STEP_WORD = 1 + 2 * SIGNATURE_WORDS
@@ -67,8 +60,6 @@ STEP_SHIFT = 24
 SPIN_READS = 200
 #: seconds a wait yields (``sched_yield``) between reads before it sleeps between them.
 YIELD_SECONDS = 10e-3
-#: alignment of slot regions (a cache line).
-ALIGN = 64
 #: CPUs whose ordering (TSO) makes the counter protocol safe without a fence.
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 #: whether a ``Win.Sync`` fence runs between data and counter (read when a node is made: a
@@ -79,7 +70,7 @@ FENCE = platform.machine().lower() not in TSO_MACHINES
 def small_bytes(nranks: int, shared: bool = False) -> int:
     """Most bytes per rank of the small regime for ``nranks`` ranks; ``shared``: a buffer is a
     shared array (the large regime reads it in place, with no copy)."""
-    return SMALL_BYTES_TWO_RANKS if nranks == 2 and not shared else SMALL_BYTES
+    return _shm_sizes.small_bytes(nranks, shared, SMALL_BYTES, SMALL_BYTES_TWO_RANKS)
 
 
 def digest(kind: int, fields) -> int:
@@ -96,12 +87,12 @@ def signature_words(kind: int, fields) -> list[int]:
 
 def round_up(nbytes: int) -> int:
     """``nbytes`` rounded up to a whole number of cache lines (:data:`ALIGN`)."""
-    return -(-nbytes // ALIGN) * ALIGN
+    return _shm_sizes.round_up(nbytes, ALIGN)
 
 
 def chunk_bytes(nbytes: int) -> int:
     """Bytes per chunk of the large regime for a message of ``nbytes`` (agreed on every rank)."""
-    return max(CHUNK_BYTES, round_up(-(-nbytes // MAX_CHUNKS)))
+    return _shm_sizes.chunk_bytes(nbytes, CHUNK_BYTES, MAX_CHUNKS, ALIGN)
 
 
 def slot_bytes(nbytes: int) -> int:
