@@ -2,6 +2,10 @@
 communicator that advances its runs (:class:`_Engine`) and its progress thread.
 
 How runs progress, and when the thread looks at them: :mod:`mpiallreduce.nonblocking`.
+
+A *lean* run (:func:`_start_lean`) is a start without deadline from the plan's flat program
+(``Plan.lean_program``): its first step posted, the rest run by a wait that finds it alone in
+flight as one flat loop; anything else turns it into a stepwise run.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class _Run(Request):
         if posted is None:
             self.steps = plan.steps()
             self.requests = self.rest = None
-        else:  # Plan.start_lean posted the first step: (its requests, the rest of the flat run)
+        else:  # _start_lean posted the first step: (its requests, the rest of the flat run)
             self.steps = None
             self.requests, self.rest = posted
 

@@ -179,6 +179,8 @@ class Node:
                 raise CollectiveTimeout(reason)
             mine = signature.shm[:-1]
             same = True
+            # carried: every rank's last signature word, in rank order (passed along to every
+            # rank, never compared: _agree.Signature.carried)
             carried = []
             for theirs in self.signatures[parity]:
                 carried.append(theirs[-1])
