@@ -211,13 +211,13 @@ class Case:
                    else (lambda: drop_in.Allreduce(sendbuf, recv, op)))
         else:
             run = plan.run
-        if api == "plan":
-            self.picked[label] = getattr(plan, "algorithm", algorithm)
         with _freeing(plan):
             # in place, every run reduces the last result again: values may overflow to inf,
             # which costs nothing and is never validated (the input is restored first)
             with np.errstate(all="ignore") if opts.in_place else contextlib.nullcontext():
                 seconds = _mean_time(run, self.iterations, self.warmup, comm, self.untraced)
+            if api == "plan":  # after its runs: with MPIALLREDUCE_LEARN=on, what auto learned
+                self.picked[label] = getattr(plan, "algorithm", algorithm)
             ok = True
             if opts.validate:
                 if opts.in_place:
