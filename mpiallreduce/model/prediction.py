@@ -14,13 +14,22 @@ from ..partition import block
 from ..topology import Topology
 from .machine import DEFAULT_MACHINE, INTRA, Machine, check_cores
 from .native import OMPI_COPIES, _ompi_choice, native_algorithm
-from .programs import ROTATION_INVARIANT, _base_parts, _quotient, _ring_base, _table
+from .programs import (
+    ROTATION_INVARIANT,
+    _base_parts,
+    _places,
+    _quotient,
+    _ring_base,
+    _rotated_ring,
+    _table,
+)
 from .shm_layout import SMALL_BYTES, chunk_bytes, small_bytes
 from .simulate import (
     Prediction,
     _Costs,
     _counts,
     _run,
+    _simulate_ring_dense,
     _simulate_ring_sparse,
     _simulate_table,
 )
@@ -101,6 +110,14 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
             label = "every rank (slot spans)"
         return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
                           finish.copy(), *totals, steps, label)
+    # levels above the network make the ring's quotient a class per position in a site, so
+    # the ring of single blocks runs every rank at once in NumPy instead
+    ring = (_rotated_ring(name, nranks, count, itemsize, key)
+            if symmetric and len(_places(topology, nclasses)) > 1 else None)
+    if ring is not None:
+        finish, totals, steps = _simulate_ring_dense(ring, nranks, topology, costs)
+        return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
+                          finish, *totals, steps, "every rank (rotated ring, NumPy)")
     quotient = _quotient(name, nranks, count, topology, itemsize, key, symmetric, nclasses)
     clocks = _run(quotient, costs)
     class_of = np.asarray(quotient.class_of)

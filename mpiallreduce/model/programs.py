@@ -310,6 +310,18 @@ def _ring_program(name: str, nranks: int, count: int, itemsize: int, params: tup
             index.reshape(-1).tolist())
 
 
+def _rotated_ring(name: str, nranks: int, count: int, itemsize: int, params: tuple):
+    """:func:`_ring_program` where ``name`` at ``count`` is a ring of single blocks with
+    every block non-empty (count >= p), else None."""
+    if name not in ROTATION_INVARIANT or count < nranks or nranks < 2:
+        return None
+    algorithm = algorithms.get(name)
+    merged = {**algorithm.params, **_builder_params(name, itemsize, dict(params))}
+    if not _single_blocks(name, nranks, count, merged):
+        return None
+    return _ring_program(name, nranks, count, itemsize, params)
+
+
 def _ring_rotated(slots, rank: int, nranks: int, places, intern: dict) -> list[_CostStep]:
     """Rank 0's ring program moved to ``rank`` (peers + rank, rank 0's bytes), as
     :func:`_rotate` of :func:`_compile` gives it, from the distinct steps only."""

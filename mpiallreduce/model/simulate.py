@@ -366,3 +366,66 @@ def _counts(quotient: _Quotient):
 
 
 _COUNTS: dict = {}
+
+
+def _simulate_ring_dense(program, nranks: int, topology: Topology, costs: _Costs
+                         ) -> tuple[np.ndarray, tuple, int]:
+    """Every rank of a ring of single blocks (count >= p) in NumPy, one clock per rank.
+
+    ``program``: :func:`.programs._ring_program` (rank 0's distinct steps and their order);
+    every rank runs it rotated, with rank 0's bytes, as :func:`_run` of the quotient does, so
+    the clocks are the quotient's (ranks of one class have equal clocks by symmetry). Used
+    where the quotient has many classes (levels above the network: one class per position in
+    a site), whose step-by-step Python would cost p/sites per step.
+    """
+    distinct, index = program
+    rows = np.asarray(distinct, dtype=np.int64)[np.asarray(index, dtype=np.int64)]
+    nclasses = len(costs.links)
+    places = _places(topology, nclasses)
+    ranks = np.arange(nranks)
+    receivers, classes = {}, {}
+    for send_peer, _, recv_peer, _, _ in distinct:
+        if (send_peer + recv_peer) % nranks:
+            raise ScheduleError("a ring step's receive is not from the rank it sends to's left")
+        receivers[send_peer] = (ranks + send_peer) % nranks
+        classes[send_peer] = _links(places, ranks, receivers[send_peer])
+    cost_of = {}  # (bytes, offset) -> seconds of each rank's message on its link class
+
+    def seconds(nbytes: int, offset: int) -> np.ndarray:
+        key = (nbytes, offset)
+        if key not in cost_of:
+            per_class = np.array([float(costs.message(nbytes, kind))
+                                  for kind in range(nclasses)])
+            cost_of[key] = per_class[classes[offset]]
+        return cost_of[key]
+
+    clock = np.zeros(nranks)
+    before = float(costs.cpu(2))  # a non-empty send and receive per step
+    for send_peer, sent, _, received, reduces in rows.tolist():
+        receiver = receivers[send_peer]
+        ready = clock + before
+        load = np.maximum(seconds(sent, send_peer), seconds(received, send_peer))
+        finish = np.maximum(ready, ready[receiver]) + load
+        end = np.maximum(ready, finish)
+        arrived = np.empty(nranks)
+        arrived[receiver] = finish
+        end = np.maximum(end, arrived)
+        clock = end + float(costs.reduce(received if reduces else 0, 1 if reduces else 0))
+    sent_total = int(rows[:, 1].sum())
+    busy = int((rows[:, 1] > 0).sum())
+    link_bytes, link_messages = [0] * nclasses, [0] * nclasses
+    pairs: dict | None = {} if nranks <= PAIRS_RANKS else None
+    for offset in receivers:
+        mine = rows[rows[:, 0] == offset]
+        per_class = np.bincount(classes[offset], minlength=nclasses)
+        for kind in range(nclasses):
+            link_bytes[kind] += int(mine[:, 1].sum()) * int(per_class[kind])
+            link_messages[kind] += int((mine[:, 1] > 0).sum()) * int(per_class[kind])
+        if pairs is not None:
+            for rank, peer in zip(ranks.tolist(), receivers[offset].tolist()):
+                messages, volume = pairs.get((rank, peer), (0, 0))
+                pairs[(rank, peer)] = (messages + int((mine[:, 1] > 0).sum()),
+                                       volume + int(mine[:, 1].sum()))
+    totals = (np.full(nranks, sent_total, dtype=np.int64), np.full(nranks, busy, dtype=np.int64),
+              tuple(link_bytes), tuple(link_messages), pairs)
+    return clock, totals, len(rows)
