@@ -47,7 +47,8 @@ def _datatype_table() -> dict[int, np.dtype]:
 
 #: every NumPy dtype mpiallreduce reduces, as a set (a membership test on the hot path).
 DTYPE_SET = frozenset(DTYPES)
-_DTYPE_OF = _datatype_table()
+#: the NumPy dtype of each MPI datatype handle mpiallreduce reduces
+DTYPE_OF = _datatype_table()
 
 
 def _unpack(spec):
@@ -165,7 +166,7 @@ def message(spec, writable: bool, blocks: int = 1) -> tuple[np.ndarray, int] | N
     should decide.
 
     None for anything mpiallreduce does not reduce or whose use MPI defines differently (a
-    datatype outside :data:`_DTYPE_OF`, a count past the buffer), so the caller hands the
+    datatype outside :data:`DTYPE_OF`, a count past the buffer), so the caller hands the
     original arguments to mpi4py, which computes or raises exactly as it always does.
     ``blocks``: an explicit count counts elements per block (mpi4py's ``BufSpecB``: the
     receive buffer of ``Allgather``), so the message holds ``count * blocks``.
@@ -189,7 +190,7 @@ def message(spec, writable: bool, blocks: int = 1) -> tuple[np.ndarray, int] | N
         if not isinstance(datatype, MPI.Datatype):
             return None
         handle = datatype.handle
-        dtype = _DTYPE_OF.get(handle)
+        dtype = DTYPE_OF.get(handle)
         if dtype is None:
             return None
         try:

@@ -22,6 +22,8 @@ called as well where it is set, so both forms can share a node).
 cimport numpy as cnp
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.exc cimport PyErr_Clear
 
 from mpi4py import MPI
 
@@ -106,19 +108,28 @@ cdef object _call_key = None
 cdef object _plain_timeout = None
 cdef object _bind_allreduce = None
 cdef object _reproducible_allreduce = None
+cdef object _reproducible_iallreduce = None
 
 
-def install(dict last, dict calls, call_key, plain_timeout):
-    """Hand this module the call cache (``_state.LAST``, ``_state.CALLS``) and the helpers of
-    :mod:`._plans` it shares with the Python form (called once, by ``_plans``)."""
-    global _LAST, _CALLS, _call_key, _plain_timeout
+cdef dict _SHAPES = None
+cdef Py_ssize_t _STAGE_BYTES = 0
+
+
+def install(dict last, dict calls, call_key, plain_timeout, dict shapes, Py_ssize_t stage_bytes):
+    """Hand this module the call cache (``_state.LAST``, ``_state.CALLS``, ``_state.SHAPES``)
+    and the helpers of :mod:`._plans` it shares with the Python form (called once, by
+    ``_plans``)."""
+    global _LAST, _CALLS, _call_key, _plain_timeout, _SHAPES, _STAGE_BYTES
     _LAST, _CALLS, _call_key, _plain_timeout = last, calls, call_key, plain_timeout
+    _SHAPES, _STAGE_BYTES = shapes, stage_bytes
 
 
-def install_api(bind, reproducible_allreduce):
-    """Hand :func:`allreduce` ``api._bind`` and ``reproducible.allreduce`` (called by ``api``)."""
-    global _bind_allreduce, _reproducible_allreduce
+def install_api(bind, reproducible_allreduce, reproducible_iallreduce):
+    """Hand :func:`allreduce` and :func:`iallreduce` ``api._bind``, ``reproducible.allreduce``
+    and ``reproducible.iallreduce`` (called by ``api``)."""
+    global _bind_allreduce, _reproducible_allreduce, _reproducible_iallreduce
     _bind_allreduce, _reproducible_allreduce = bind, reproducible_allreduce
+    _reproducible_iallreduce = reproducible_iallreduce
 
 
 def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
@@ -131,16 +142,88 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
                         check, timeout, params)
 
 
+# -- the non-blocking entry points (twins of nonblocking.iallreduce, start and Request.wait) -----
+
+cdef class RequestFields:
+    """The fields of ``nonblocking.Request`` as C members, and its ``wait`` where the request is
+    complete (the one an shm run returns: whole at the start): the result, or its error.
+    Any other wait is the Python method's (``Request._wait``). Their meaning:
+    ``nonblocking.requests.Request``."""
+
+    cdef public object _result, _work, _finish, _error
+
+    def wait(self, timeout=None):
+        """Wait for completion and return the result array (``timeout``: seconds, then
+        :class:`CollectiveTimeout` with the request still in flight): the compiled
+        ``nonblocking.Request.wait``, whose docstring says more."""
+        if self._work is None:
+            if self._error is not None:
+                raise self._error
+            return self._result
+        return self._wait(timeout)
+
+
+cdef object _python_start = None
+cdef object _bind_iallreduce = None
+cdef list _DROPPED = None
+cdef object _tidy = None
+
+
+def install_nonblocking(python_start, bind, list dropped, tidy):
+    """Hand :func:`iallreduce` and :func:`start` the Python ``start`` (every start it does not
+    take), ``nonblocking.calls._bind`` and the list of native requests dropped in flight with
+    its tidier (called once, by ``nonblocking.calls``)."""
+    global _python_start, _bind_iallreduce, _DROPPED, _tidy
+    _python_start, _bind_iallreduce, _DROPPED, _tidy = python_start, bind, dropped, tidy
+
+
+def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", topology=None,
+               check=True, timeout=None, reproducible=False, **params):
+    """The compiled :func:`mpiallreduce.api.iallreduce` (its docstring is set by ``api``)."""
+    if reproducible:
+        return _reproducible_iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                                        timeout, params)
+    if _DROPPED:
+        _tidy()
+    return _cached_call("iallreduce", _bind_iallreduce, sendbuf, recvbuf, op, comm, algorithm,
+                        topology, check, timeout, params)
+
+
+def start(plan, timeout=None):
+    """The compiled :func:`.nonblocking.start`: its branch for an shm plan of the small regime
+    started again without deadline (runs whole now; the same complete request every start),
+    with the checks of ``ShmPlan.run``; every other start is the Python function's."""
+    cdef object direct, done, node
+    if timeout is None:
+        direct = getattr(plan, "direct", None)
+        if type(direct) is SmallRun and plan.timeout is None and not plan._freed \
+                and not plan._broken and not plan._state.broken:
+            node = plan._node
+            done = plan._done
+            if node is not None and not node.closed and done is not None \
+                    and (<RequestFields>done)._result is plan.recvbuf:
+                (<SmallRun>direct).run(None)
+                return done
+    return _python_start(plan, timeout)
+
+
 cdef object _comm_allreduce = None
 cdef object _unviewable = None
 cdef object _settle = None
 
 
-def install_comm(python_allreduce, unviewable, settle):
-    """Hand :func:`comm_allreduce` the Python ``Comm.Allreduce`` (every call it does not take)
-    and what that method does where a buffer is unviewable (called once, by ``comm``)."""
-    global _comm_allreduce, _unviewable, _settle
+cdef dict _DTYPE_OF = None
+cdef object _IN_PLACE = MPI.IN_PLACE
+cdef type _DATATYPE = MPI.Datatype
+
+
+def install_comm(python_allreduce, unviewable, settle, dict dtype_of_handle):
+    """Hand :func:`comm_allreduce` the Python ``Comm.Allreduce`` (every call it does not take),
+    what that method does where a buffer is unviewable, and ``_buffers``' table of the
+    datatypes it reduces (handle -> NumPy dtype; called once, by ``comm``)."""
+    global _comm_allreduce, _unviewable, _settle, _DTYPE_OF
     _comm_allreduce, _unviewable, _settle = python_allreduce, unviewable, settle
+    _DTYPE_OF = dtype_of_handle
 
 
 def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
@@ -159,7 +242,102 @@ def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
             _settle(agreed, None)
             return self._mpi("Allreduce", sendbuf, recvbuf, op)
         return None
+    if not self._params and (self._args[3] is None) and _comm_by_shape(self, sendbuf, recvbuf, op):
+        return None
     return _comm_allreduce(self, sendbuf, recvbuf, op)
+
+
+cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
+    """The Python method's second branch (fresh arrays of a shape ``mar.allreduce`` knows,
+    ``Comm._shapes``), where the shape runs on the caller's memory (:func:`run_shape`), and the
+    same for a buffer spec ``[buffer, count, datatype]`` (as array libraries wrap their
+    tensors, a new one per call). False: the Python method takes the call."""
+    cdef bint in_place = sendbuf is _IN_PLACE
+    cdef Py_buffer send_view, recv_view
+    cdef object dtype, known, shape, previous
+    cdef Py_ssize_t count, send_count = 0, nbytes
+    cdef char *recv_at
+    cdef const char *send_at
+    if cnp.PyArray_CheckExact(recvbuf):
+        known = self._shapes.get((dtype_of(recvbuf), cnp.PyArray_SIZE(<cnp.ndarray>recvbuf),
+                                  in_place, id(op)))
+        if known is None or not fresh_pair(sendbuf, recvbuf, in_place):
+            return False
+        shape = _live_shape(self, known, op)
+        if shape is None:
+            return False
+        previous = self._previous
+        if (<tuple>previous)[1] is recvbuf and (<tuple>previous)[0] is sendbuf:
+            return False  # the same arrays again: the Python method binds them
+        self._previous = (sendbuf, recvbuf)
+        run_shape(shape, sendbuf, recvbuf)
+        return True
+    if not (type(recvbuf) is list or type(recvbuf) is tuple):
+        return False
+    dtype = spec_of(recvbuf, &count)
+    if dtype is None or count == 0:
+        return False
+    if not in_place and (not (type(sendbuf) is list or type(sendbuf) is tuple)
+                         or spec_of(sendbuf, &send_count) is not dtype or send_count != count):
+        return False
+    known = self._shapes.get((dtype, count, in_place, id(op)))
+    if known is None:
+        return False
+    shape = _live_shape(self, known, op)
+    if shape is None:
+        return False
+    nbytes = count * (<cnp.dtype>dtype).itemsize
+    if PyObject_GetBuffer((<tuple>recvbuf)[0] if type(recvbuf) is tuple else (<list>recvbuf)[0],
+                          &recv_view, PyBUF_WRITABLE) < 0:
+        PyErr_Clear()
+        return False
+    try:
+        if recv_view.len < nbytes:
+            return False
+        recv_at = <char *>recv_view.buf
+        if in_place:
+            (<SmallRun>shape.small).run_at(None, recv_at, recv_at)
+            return True
+        if PyObject_GetBuffer(sendbuf[0], &send_view, PyBUF_SIMPLE) < 0:
+            PyErr_Clear()
+            return False
+        try:
+            send_at = <const char *>send_view.buf
+            if send_view.len < nbytes or (send_at < recv_at + nbytes and recv_at < send_at + nbytes):
+                return False
+            (<SmallRun>shape.small).run_at(None, send_at, recv_at)
+            return True
+        finally:
+            PyBuffer_Release(&send_view)
+    finally:
+        PyBuffer_Release(&recv_view)
+
+
+cdef object _live_shape(self, known, op):
+    """The shape of a ``Comm._shapes`` entry if it still runs on the caller's memory here."""
+    shape = (<tuple>known)[0]
+    if not shape.live or (<tuple>known)[1] is not op or (<tuple>known)[2] != self.handle:
+        return None
+    if shape.small is None:
+        return None
+    return shape
+
+
+cdef object spec_of(spec, Py_ssize_t *count):
+    """The NumPy dtype of an mpi4py spec ``[buffer, count, datatype]`` (count a plain int, a
+    predefined datatype :mod:`._buffers` reduces), with its count; None for any other spec
+    (the Python method parses those)."""
+    cdef object datatype, number, dtype
+    if len(spec) != 3:
+        return None
+    number, datatype = spec[1], spec[2]
+    if type(number) is not int or type(datatype) is not _DATATYPE:
+        return None
+    dtype = _DTYPE_OF.get(datatype.handle)
+    if dtype is None or number < 0:
+        return None
+    count[0] = number
+    return dtype
 
 
 def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
@@ -221,7 +399,96 @@ cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topo
                     direct(timeout)
                 return e.result
             return entry.run(timeout)
+    elif kind is None and timeout is None:
+        entry = _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, params)
+        if entry is not None:
+            return entry
     return bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params)
+
+
+cdef object _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, dict params):
+    """A call with fresh arrays (or a result left to mpiallreduce) that a shape in
+    ``_state.SHAPES`` runs on the caller's memory (:func:`run_shape`): ``api._bind``'s first
+    branch where the shape's run is compiled; its result, or None (``bind`` takes the call)."""
+    cdef bint in_place = sendbuf is _IN_PLACE
+    cdef object shape, key, held
+    if recvbuf is None:
+        if in_place or not cnp.PyArray_CheckExact(sendbuf) \
+                or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>sendbuf) \
+                or cnp.PyArray_NBYTES(<cnp.ndarray>sendbuf) > _STAGE_BYTES:
+            return None
+        key = (id(comm), id(op), algorithm, id(topology), dtype_of(sendbuf),
+               cnp.PyArray_SIZE(<cnp.ndarray>sendbuf), False,
+               tuple(params.items()) if params else ())
+    elif cnp.PyArray_CheckExact(recvbuf):
+        key = (id(comm), id(op), algorithm, id(topology), dtype_of(recvbuf),
+               cnp.PyArray_SIZE(<cnp.ndarray>recvbuf), in_place,
+               tuple(params.items()) if params else ())
+    else:
+        return None
+    try:
+        shape = _SHAPES.get(key)
+    except TypeError:  # a parameter value that cannot be hashed (bind says what it says)
+        return None
+    if shape is None or shape.small is None:
+        return None
+    if recvbuf is not None:
+        # the arrays of the previous call again: bound to them (``bind``), as in the Python form
+        # (``Shape.repeats``, whose weak references are read once, when this path takes over)
+        held = shape.held
+        if held is not None:
+            if (<tuple>held)[1] is recvbuf and (<tuple>held)[0] is sendbuf:
+                shape.held = None
+                shape.remember(sendbuf, recvbuf)
+                return None
+        elif shape.previous is not None:
+            if shape.repeats(sendbuf, recvbuf):
+                return None
+            shape.previous = None
+    if recvbuf is None:  # np.empty_like(sendbuf), as api._bind makes it
+        # (the key matched a dtype mpiallreduce reduces: a built-in one, native byte order)
+        recvbuf = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(<cnp.ndarray>sendbuf),
+                                    cnp.PyArray_DIMS(<cnp.ndarray>sendbuf),
+                                    cnp.PyArray_TYPE(<cnp.ndarray>sendbuf), 0)
+    elif not fresh_pair(sendbuf, recvbuf, in_place):
+        return None
+    else:
+        shape.held = (sendbuf, recvbuf)
+    run_shape(shape, sendbuf, recvbuf)
+    return recvbuf
+
+
+cdef bint fresh_pair(sendbuf, recvbuf, bint in_place) except -1:
+    """:func:`._plans.fresh_arrays` for a NumPy ``recvbuf`` whose dtype and size a shape's key
+    matched: C-contiguous and writable, and ``sendbuf`` in place or a NumPy array of the same
+    dtype and shape, C-contiguous, not overlapping it (their memory bounds, as
+    ``np.may_share_memory`` compares them)."""
+    cdef int flags = cnp.PyArray_FLAGS(<cnp.ndarray>recvbuf)
+    cdef char *send_at
+    cdef char *recv_at
+    cdef Py_ssize_t nbytes
+    if not (flags & cnp.NPY_ARRAY_C_CONTIGUOUS) or not (flags & cnp.NPY_ARRAY_WRITEABLE):
+        return False
+    if in_place:
+        return True
+    if not cnp.PyArray_CheckExact(sendbuf) or dtype_of(sendbuf) is not dtype_of(recvbuf) \
+            or not same_shape(sendbuf, recvbuf) \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>sendbuf):
+        return False
+    send_at = cnp.PyArray_BYTES(<cnp.ndarray>sendbuf)
+    recv_at = cnp.PyArray_BYTES(<cnp.ndarray>recvbuf)
+    nbytes = cnp.PyArray_NBYTES(<cnp.ndarray>recvbuf)
+    return not (send_at < recv_at + nbytes and recv_at < send_at + nbytes)
+
+
+cdef int run_shape(shape, sendbuf, recvbuf) except -1:
+    """Run ``shape`` (a ``_plans.Shape`` whose ``small`` is set: a compiled small-regime shm
+    run, whose run checks the arguments itself) on the caller's arrays, checked by
+    :func:`fresh_pair`: no staging copies."""
+    cdef char *recv_at = cnp.PyArray_BYTES(<cnp.ndarray>recvbuf)
+    cdef const char *send_at = recv_at if sendbuf is _IN_PLACE \
+        else cnp.PyArray_BYTES(<cnp.ndarray>sendbuf)
+    return (<SmallRun>shape.small).run_at(None, send_at, recv_at)
 
 
 # -- shm's small regime ---------------------------------------------------------------------------
@@ -344,7 +611,19 @@ cdef class SmallRun:
     def __call__(self, timeout=None):
         self.run(timeout)
 
-    cdef int run(self, timeout) except -1:
+    @property
+    def takes_pointers(self) -> bool:
+        """Whether :meth:`run_at` may run this plan on other memory than its own arrays (its
+        load and reduce are compiled, not the Python form's calls bound to those arrays)."""
+        return self.reduce_kind != REDUCE_PYTHON
+
+    cdef inline int run(self, timeout) except -1:
+        return self.run_at(timeout, self.source, self.result)
+
+    cdef int run_at(self, timeout, const char *source, char *result) except -1:
+        """The run, with ``source`` and ``result`` in place of the plan's own arrays (the
+        same size and element type; they may be one array: in place). Only where
+        :attr:`takes_pointers`; the caller checks the memory (:func:`run_shape`)."""
         cdef object node = self.node
         cdef int64_t epoch, target
         cdef Py_ssize_t parity, q
@@ -361,7 +640,7 @@ cdef class SmallRun:
             if self.reduce_kind == REDUCE_PYTHON:
                 self.programs[parity][0]()
             else:
-                memcpy(self.slots[parity][self.rank], self.source, self.nbytes)
+                memcpy(self.slots[parity][self.rank], source, self.nbytes)
             if self.written[parity] is not self.words:
                 memcpy(self.header + self.lo[parity], words_of(self.words),
                        len(self.words) * sizeof(int64_t))
@@ -382,7 +661,7 @@ cdef class SmallRun:
             if self.reduce_kind == REDUCE_PYTHON:
                 self.programs[parity][1]()
             else:
-                self.reduce(parity)
+                self.reduce(parity, result)
         finally:
             node.finished = epoch
         return 0
@@ -409,12 +688,12 @@ cdef class SmallRun:
                     sched_yield()
         return True
 
-    cdef void reduce(self, Py_ssize_t parity) noexcept nogil:
+    cdef void reduce(self, Py_ssize_t parity, char *result) noexcept nogil:
         """The result, every rank's slot combined in rank order (:func:`combine`)."""
         cdef bint product = self.reduce_kind == PROD_F64 or self.reduce_kind == PROD_F32
         if self.reduce_kind == SUM_F64 or self.reduce_kind == PROD_F64:
-            combine(<double *>self.result, self.slots[parity], self.count, self.nranks,
+            combine(<double *>result, self.slots[parity], self.count, self.nranks,
                     product, self.divisor)
         else:
-            combine(<float *>self.result, self.slots[parity], self.count, self.nranks,
+            combine(<float *>result, self.slots[parity], self.count, self.nranks,
                     product, self.divisor)

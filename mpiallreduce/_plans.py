@@ -15,7 +15,7 @@ from mpi4py import MPI
 from . import _form, algorithms, learn, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree
 from ._checks import ALGORITHMS, Call, plain_timeout
-from ._state import CALLS, LAST, CommState
+from ._state import CALLS, LAST, SHAPES, CommState
 from .algorithms.compose import check_intra
 from .algorithms.nodes import NODE_PHASED, node_phase
 from .executor import Plan, scratch_size
@@ -447,7 +447,7 @@ class Shape(_Known):
 
     __slots__ = ("state", "objects", "datatype", "op", "nranks", "average", "signatures",
                  "allreduce", "schedule", "plan", "run", "staged_call", "fused", "previous",
-                 "live")
+                 "live", "small", "held")
 
     def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool,
                  fused: bool = False):
@@ -463,6 +463,14 @@ class Shape(_Known):
         self.fused = fused  # its staged plan runs shm: the run checks the arguments itself
         self.previous = None  # the arrays of the last call through this shape, held weakly
         self.plan = self.run = None
+        # the compiled form's small-regime shm run of the staged plan where it can run on the
+        # caller's memory (``_compiled.SmallRun.takes_pointers``): the compiled call path then
+        # runs this shape with no staging copies (``_compiled.run_shape``); else None
+        self.small = None
+        # the arrays of the compiled form's last call through ``small``, held (at most
+        # COMPILED_REDUCE_BYTES each): the same arrays again are bound to a cache entry, as
+        # :meth:`repeats` says in the Python form
+        self.held = None
         self.staged_call = None
         self.live = True  # until the cache drops it (mar.Comm keeps shapes it found)
         if schedule:  # the call on staging buffers of its own (not the caller's arrays)
@@ -471,18 +479,22 @@ class Shape(_Known):
                 call, send=None if call.send is None else np.empty(size, dtype=dtype),
                 recv=np.empty(size, dtype=dtype))
 
-    def again(self, sendbuf, recvbuf: np.ndarray) -> bool:
+    def repeats(self, sendbuf, recvbuf: np.ndarray) -> bool:
         """Whether this call passes the very arrays of the shape's previous call (still alive):
         a caller that reuses its arrays, whose call should then be bound to them (the cold path:
-        a call cache entry, no staging). Otherwise remember these arrays, weakly (arrays made
-        per call die at once, and a new one may get a dead one's ``id``)."""
+        a call cache entry, no staging). Otherwise :meth:`remember` these arrays."""
         previous = self.previous
         if previous is not None and previous[1]() is recvbuf \
                 and (previous[0] is sendbuf if sendbuf is MPI.IN_PLACE else previous[0]() is sendbuf):
             return True
+        self.remember(sendbuf, recvbuf)
+        return False
+
+    def remember(self, sendbuf, recvbuf: np.ndarray) -> None:
+        """Keep the arrays of this call, weakly (arrays made per call die at once, and a new one
+        may get a dead one's ``id``), for :meth:`repeats`."""
         self.previous = (sendbuf if sendbuf is MPI.IN_PLACE else weakref.ref(sendbuf),
                          weakref.ref(recvbuf))
-        return False
 
     def call(self, sendbuf, recvbuf: np.ndarray, check: bool) -> np.ndarray:
         """Run the call on the caller's arrays (checked by :func:`fresh_arrays`), no timeout."""
@@ -509,6 +521,8 @@ class Shape(_Known):
             # is freed or the communicator breaks
             if fused(plan):
                 self.run = plan.direct
+                if self.fused and getattr(plan.direct, "takes_pointers", False):
+                    self.small = plan.direct
             elif isinstance(plan, Plan) and plan._fast is not None:
                 self.run = partial(_call_each, plan._fast)
             else:
@@ -529,6 +543,7 @@ class Shape(_Known):
 
     def free(self) -> None:
         self.live = False
+        self.held = None
         if self.plan is not None:
             self.plan.free()
 
@@ -591,11 +606,14 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
     native = isinstance(plan, NativePlan)
     if (native and len(plan.pieces) == 1 and not plan.traced) \
             or (not native and call.recv.nbytes <= STAGE_BYTES):
-        state.calls.put_shape(
-            shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params),
-            Shape(call, state, (comm, op, topology), schedule=not native, fused=fused(plan)))
+        key = shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params)
+        known = SHAPES.get(key)
+        if known is not None and known.schedule == (not native) and known.fused == fused(plan):
+            return  # (the same call: keep the staged plan it may have built)
+        state.calls.put_shape(key, Shape(call, state, (comm, op, topology), schedule=not native,
+                                         fused=fused(plan)))
 
 
 if _form.compiled is not None:  # the compiled twin of cached_call (same results, same errors)
-    _form.compiled.install(LAST, CALLS, call_key, plain_timeout)
+    _form.compiled.install(LAST, CALLS, call_key, plain_timeout, SHAPES, STAGE_BYTES)
     cached_call = _form.compiled.cached_call  # noqa: F811

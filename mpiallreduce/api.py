@@ -96,7 +96,7 @@ def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
         shape = SHAPES.get(_plans.shape_key(comm, sendbuf, recvbuf, op, algorithm, topology,
                                             params))
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf) \
-                and not shape.again(sendbuf, recvbuf):
+                and not shape.repeats(sendbuf, recvbuf):
             return shape.call(sendbuf, recvbuf, check)
     call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
         sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
@@ -114,7 +114,7 @@ def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
 if _form.compiled is not None:
     # the compiled twin (mpiallreduce._compiled.allreduce): the same sequence, with no Python
     # frame between the caller and the run
-    _form.compiled.install_api(_bind, _reproducible.allreduce)
+    _form.compiled.install_api(_bind, _reproducible.allreduce, _reproducible.iallreduce)
     _form.compiled.allreduce.__doc__ = allreduce.__doc__
     _form.compiled.allreduce.__wrapped__ = allreduce  # its signature, for inspect and help()
     allreduce = _form.compiled.allreduce  # noqa: F811
@@ -150,3 +150,9 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
         return _reproducible.iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
                                         timeout, params)
     return _iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params)
+
+
+if _form.compiled is not None:  # the compiled twin, as allreduce's
+    _form.compiled.iallreduce.__doc__ = iallreduce.__doc__
+    _form.compiled.iallreduce.__wrapped__ = iallreduce
+    iallreduce = _form.compiled.iallreduce  # noqa: F811

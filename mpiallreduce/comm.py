@@ -30,6 +30,7 @@ from mpi4py import MPI
 from . import _form
 from ._agree import prepare
 from ._buffers import (
+    DTYPE_OF,
     DTYPE_SET,
     Unviewable,
     bare,
@@ -294,8 +295,12 @@ class Comm(MPI.Intracomm):
                 allreduce(sendbuf, recvbuf, op, plain, *self._args,
                           **self._params_for(op, recvbuf))
                 return None
-            allreduce(MPI.IN_PLACE if send is None else send, recv, op, plain, *self._args,
-                      **self._params_for(op, recv))
+            send = MPI.IN_PLACE if send is None else send
+            params = self._params_for(op, recv)
+            allreduce(send, recv, op, plain, *self._args, **params)
+            # a spec made per call (``[memory, count, datatype]``, as array libraries wrap their
+            # tensors): the compiled form runs the next one like it by this shape
+            self._find_shape(send, recv, op, plain, params)
             return None
         except Unviewable as agreed:
             settle(agreed, None)
@@ -558,7 +563,7 @@ _warned = False  # the constructor's warning about collectives a timeout cannot 
 if _form.compiled is not None:
     # the compiled twin of Allreduce's first branch (a call with the objects of an earlier one,
     # the one repeated in a solver's loop): no Python frame between the caller and the run
-    _form.compiled.install_comm(Comm.Allreduce, Unviewable, settle)
+    _form.compiled.install_comm(Comm.Allreduce, Unviewable, settle, DTYPE_OF)
     _form.compiled.comm_allreduce.__doc__ = Comm.Allreduce.__doc__
     _form.compiled.comm_allreduce.__wrapped__ = Comm.Allreduce
     Comm.Allreduce = _form.compiled.comm_allreduce

@@ -121,3 +121,182 @@ def test_a_repeated_small_shm_call_runs_compiled_where_built():
     kinds = {type(entry.direct).__name__, type(entry.timed).__name__}
     assert kinds == ({"SmallRun"} if compiled else {"function"}), kinds
     assert out[0] == comm.size
+
+
+def _shape_of(comm, x: np.ndarray, in_place: bool, algorithm: str):
+    """The shape ``_state.SHAPES`` holds for ``mar.allreduce`` calls like this one."""
+    from mpiallreduce import _plans, _state
+
+    return _state.SHAPES.get(_plans.shape_key(comm, MPI.IN_PLACE if in_place else x, x, MPI.SUM,
+                                              algorithm, None, {}))
+
+
+@pytest.mark.parametrize("op_name, dtype", CASES)
+@pytest.mark.parametrize("count", [1, 3, 9])
+def test_fresh_arrays_per_call_give_rank_order_bits(op_name, dtype, count):
+    """``total = mar.allreduce(np.array([...]))`` and fresh pairs in and out of place, call after
+    call (known by their shape after the first; the compiled form then runs the shape on the
+    caller's arrays, no staging): every result has the reference's bits, and the inputs are
+    left as they were."""
+    comm = MPI.COMM_WORLD
+    op = mar.AVG if op_name == "AVG" else getattr(MPI, op_name)
+    x = _inputs(comm, count, dtype, np.dtype(dtype).kind == "f")
+    expected = _reference(comm, x, op_name)
+    verdicts = []
+    for _ in range(5):
+        source = x.copy()
+        total = mar.allreduce(source, op=op, comm=comm, algorithm="shm")
+        verdicts.append(_same_bits(total, expected) and _same_bits(source, x))
+        out = np.full_like(x, 7)
+        mar.allreduce(source, out, op=op, comm=comm, algorithm="shm")
+        verdicts.append(_same_bits(out, expected) and _same_bits(source, x))
+        inplace = x.copy()
+        mar.allreduce(MPI.IN_PLACE, inplace, op=op, comm=comm, algorithm="shm")
+        verdicts.append(_same_bits(inplace, expected))
+    everyone = comm.allgather(all(verdicts))
+    assert all(everyone), f"ranks whose bits differ: {[r for r, ok in enumerate(everyone) if not ok]}"
+
+
+def test_fresh_arrays_run_the_shape_on_their_own_memory_where_compiled():
+    """After two calls with fresh arrays the compiled form keeps the shape's compiled run
+    (``Shape.small``), which it runs on the next call's arrays; the Python form stages."""
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("one rank runs no shm epoch")  # (uniform across ranks)
+    for _ in range(3):
+        mar.allreduce(np.array([1.0]), np.empty(1), comm=comm, algorithm="shm")
+        mar.allreduce(MPI.IN_PLACE, np.array([1.0]), comm=comm, algorithm="shm")
+    for in_place in (False, True):
+        shape = _shape_of(comm, np.empty(1), in_place, "shm")
+        assert shape is not None
+        if _form.compiled is not None:
+            assert type(shape.small).__name__ == "SmallRun"
+        else:
+            assert shape.small is None
+    result = mar.allreduce(np.array([2.0 + comm.rank]), comm=comm, algorithm="shm")
+    assert result[0] == sum(2.0 + r for r in range(comm.size))
+
+
+def test_a_fresh_array_whose_count_differs_raises_the_same_error_on_every_rank():
+    """Fresh arrays known by their shape on every rank but one, whose count differs: the same
+    ValueError everywhere, in either form (the shape's run compares the call's headers)."""
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("needs two ranks")  # (uniform across ranks: the size is the world's)
+    for _ in range(3):
+        mar.allreduce(np.ones(2), np.empty(2), comm=comm, algorithm="shm")
+    count = 3 if comm.rank == comm.size - 1 else 2
+    try:
+        mar.allreduce(np.ones(count), np.empty(count), comm=comm, algorithm="shm", timeout=60.0)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    messages = comm.allgather(message)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "auto", "recursive_doubling"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_drop_in_with_a_new_spec_or_fresh_arrays_each_call(algorithm, in_place):
+    """``mar.Comm.Allreduce`` with a new ``[memory, count, datatype]`` spec per call (a count
+    shorter than the memory too) and with fresh arrays per call, in and out of place: each
+    result equals plain mpi4py's ``Allreduce`` of the same input on every rank."""
+    comm = MPI.COMM_WORLD
+    drop_in = mar.Comm(comm, algorithm)
+    ok = []
+    for call in range(6):
+        values = np.arange(5, dtype=np.float64) * (comm.rank + 1) + call
+        expected = np.empty(3)
+        comm.Allreduce(values[:3].copy(), expected)
+        memory = values.copy()  # 5 elements; the spec takes 3
+        spec = [MPI.memory.fromaddress(memory.ctypes.data, memory.nbytes), 3, MPI.DOUBLE]
+        if in_place:
+            drop_in.Allreduce(MPI.IN_PLACE, spec)
+            ok.append(np.array_equal(memory[:3], expected) and np.array_equal(memory[3:],
+                                                                              values[3:]))
+        else:
+            result = np.full(5, -1.0)
+            drop_in.Allreduce(spec, [MPI.memory.fromaddress(result.ctypes.data, result.nbytes),
+                                     3, MPI.DOUBLE])
+            ok.append(np.array_equal(result[:3], expected) and np.all(result[3:] == -1.0)
+                      and np.array_equal(memory, values))
+        fresh = values[:3].copy()
+        if in_place:
+            drop_in.Allreduce(MPI.IN_PLACE, fresh)
+            ok.append(np.array_equal(fresh, expected))
+        else:
+            out = np.empty(3)
+            drop_in.Allreduce(fresh, out)
+            ok.append(np.array_equal(out, expected) and np.array_equal(fresh, values[:3]))
+    everyone = comm.allgather(all(ok))
+    assert all(everyone), f"ranks with a wrong result: {[r for r, v in enumerate(everyone) if not v]}"
+
+
+def test_the_drop_in_with_a_spec_past_its_memory_does_as_mpi4py():
+    """A spec whose count runs past its memory object (mpi4py trusts the count and reads on),
+    after calls that made its shape known: the drop-in hands it to MPI, which gives what plain
+    mpi4py gives, on every rank."""
+    comm = MPI.COMM_WORLD
+    drop_in = mar.Comm(comm, "shm")
+    memory = np.ones(2)
+    for _ in range(3):
+        drop_in.Allreduce(MPI.IN_PLACE, [MPI.memory.fromaddress(memory.ctypes.data, 16), 2,
+                                         MPI.DOUBLE])
+    results = []
+    for c in (comm, drop_in):
+        values = np.array([1.0 + comm.rank, 2.0])  # 16 bytes; the memory object names 8
+        c.Allreduce(MPI.IN_PLACE, [MPI.memory.fromaddress(values.ctypes.data, 8), 2, MPI.DOUBLE])
+        results.append(values)
+    everyone = comm.allgather(np.array_equal(results[0], results[1]))
+    assert all(everyone), (results, everyone)
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "auto", "recursive_doubling", "native"])
+def test_repeated_iallreduce_and_start_give_the_reference(algorithm):
+    """``iallreduce(...).wait()`` and ``start(plan).wait()`` call after call (the compiled form's
+    twins where built: an shm run whole at the start, the same complete request every start):
+    each result is the reference's, ``wait()`` again returns it, in and out of place."""
+    comm = MPI.COMM_WORLD
+    x = _inputs(comm, 3, "float64", False)
+    expected = _reference(comm, x, "SUM")
+    out, inplace = np.empty_like(x), np.empty_like(x)
+    ok = []
+    with mar.plan(x, out, comm=comm, algorithm=algorithm) as bound:
+        for _ in range(4):
+            request = mar.iallreduce(x, out, comm=comm, algorithm=algorithm)
+            ok.append(request.wait() is out and np.allclose(out, expected, rtol=1e-12, atol=0))
+            ok.append(request.wait() is out and request.done)
+            inplace[...] = x
+            result = mar.iallreduce(MPI.IN_PLACE, inplace, comm=comm, algorithm=algorithm).wait()
+            ok.append(result is inplace and np.allclose(inplace, expected, rtol=1e-12, atol=0))
+            out[...] = 0
+            request = mar.start(bound)
+            ok.append(request.wait() is out and np.allclose(out, expected, rtol=1e-12, atol=0))
+    everyone = comm.allgather(all(ok))
+    assert all(everyone), f"ranks with a wrong result: {[r for r, v in enumerate(everyone) if not v]}"
+
+
+def test_start_of_a_freed_plan_raises_on_every_rank():
+    """A plan started after ``free()``: ValueError (the compiled start's checks are the run's)."""
+    comm = MPI.COMM_WORLD
+    x, out = np.ones(1), np.empty(1)
+    bound = mar.plan(x, out, comm=comm, algorithm="shm")
+    for _ in range(2):
+        mar.start(bound).wait()
+    bound.free()
+    with pytest.raises(ValueError):
+        mar.start(bound)
+
+
+def test_the_non_blocking_entry_points_are_the_selected_form():
+    """Where the compiled form is active, ``iallreduce``, ``start`` and a request's ``wait``
+    are its twins; in the Python form, the package's functions."""
+    from mpiallreduce.nonblocking import Request
+
+    if _form.compiled is not None:
+        assert mar.iallreduce is _form.compiled.iallreduce
+        assert mar.start is _form.compiled.start
+        assert Request.wait is _form.compiled.RequestFields.wait
+    else:
+        assert mar.iallreduce.__module__ == "mpiallreduce.api"
+        assert mar.start.__module__ == "mpiallreduce.nonblocking.calls"

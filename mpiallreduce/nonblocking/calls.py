@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _hooks, _plans
+from .. import _form, _hooks, _plans
 from .._agree import prepare
 from .._checks import allreduce_call
 from .._state import state as comm_state
@@ -232,5 +232,13 @@ def start(plan, timeout: float | None = None) -> Request:
     plan._in_flight = request
     return request
 
+
+if _form.compiled is not None:
+    # the compiled twin of start (the repeated start of a small shm plan), and the compiled
+    # iallreduce's binding (mpiallreduce._compiled)
+    _form.compiled.install_nonblocking(start, _bind, _DROPPED, _tidy)
+    _form.compiled.start.__doc__ = start.__doc__
+    _form.compiled.start.__wrapped__ = start
+    start = _form.compiled.start  # noqa: F811
 
 _hooks.set_starter(start)

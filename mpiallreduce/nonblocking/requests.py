@@ -14,18 +14,21 @@ MPI's own collectives' work is :class:`.native._NativeWork`; a schedule's run is
 
 from __future__ import annotations
 
+from .. import _form
 from .._waiting import check_timeout, deadline_of
 from ..errors import CollectiveTimeout
 
 
-class Request:
+class Request(_form.compiled.RequestFields if _form.compiled is not None else object):
     """A collective in flight: ``wait()`` returns its result, ``test()`` and ``done`` poll it.
 
     Requests on one communicator may be waited in any order. ``wait()`` and ``test()`` may be
     called again after completion: they return the same result (or raise the same exception).
     """
 
-    __slots__ = ("_result", "_work", "_finish", "_error")
+    # (in the compiled form, the C members of ``_compiled.RequestFields``, whose ``wait``
+    # returns a complete request's result and hands any other wait to :meth:`_wait`)
+    __slots__ = () if _form.compiled is not None else ("_result", "_work", "_finish", "_error")
 
     def __init__(self, result, work=None, finish=None):
         self._result = result
@@ -78,6 +81,8 @@ class Request:
             raise self._error
         return self._result
 
+    _wait = wait
+
     def _progress(self, until, block: bool) -> bool:
         try:
             if not (self._work.complete(until) if block else self._work.poll()):
@@ -97,6 +102,10 @@ class Request:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+if _form.compiled is not None:
+    del Request.wait  # the compiled wait (RequestFields.wait), which hands the rest to _wait
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
