@@ -247,6 +247,7 @@ class Plan(_PlanBase):
         self._phase = _untraced  # the tracer's hook when bound while tracing (see .tracing)
         self._stepwise: tuple | None = None  # steps()'s program, bound on first use
         self._lean: tuple | None = None  # lean_program's split of _fast, made on first use
+        self._fast_timed = self._deadline = self._timeout = None  # a run with a deadline, flat
         self._persistent = persistent
         self._tag_base = tag_base
         need, defer = _scratch_plan(steps)
@@ -280,10 +281,11 @@ class Plan(_PlanBase):
         self._last = tuple(last)
         if tracer is not None:  # tracing (.tracing): bound now, so an untraced run never looks
             self._fast = tracer.program(self, steps)
-        else:
+        else:  # (the timed program first: the untimed one's lean split stands)
+            self._fast_timed = self._flatten(timed=True) if persistent else None
             self._fast = self._flatten() if persistent else None
 
-    def _flatten(self, phase=None) -> tuple:
+    def _flatten(self, phase=None, timed: bool = False) -> tuple:
         """Return the whole run without a deadline as one flat tuple of argument-free calls.
 
         The same order as the stepwise loop in :meth:`run`: per step its copies, its requests
@@ -294,7 +296,8 @@ class Plan(_PlanBase):
 
         ``phase(kind, index, calls)`` (tracing, see :mod:`.tracing`) returns each group of
         calls with what records it: ``"run"``, ``"load"``, per step index ``"copy"``,
-        ``"start"``, ``"wait"``, ``"combine"``, then ``"finish"`` and ``"end"``.
+        ``"start"``, ``"wait"``, ``"combine"``, then ``"finish"`` and ``"end"``. ``timed``: each
+        step's wait polls to the run's deadline instead (:meth:`_poll_step`; ``_fast_timed``).
         """
         if phase is None:
             phase = _untraced
@@ -320,7 +323,9 @@ class Plan(_PlanBase):
             if self._posted is None:
                 self._posted, self._first_requests = len(calls), requests
             calls += pending
-            if posted:
+            if timed:
+                calls.append(partial(self._poll_step, requests, bound))
+            elif posted:
                 calls += phase("wait", bound.index, [partial(waitall, requests)])
             elif len(requests) <= SINGLE_REQUESTS:
                 calls += phase("wait", bound.index,
@@ -441,6 +446,11 @@ class Plan(_PlanBase):
             deadline = None
         else:
             timeout, deadline = self._start(timeout)
+            if deadline is not None and self._fast_timed is not None:  # flat, polled steps
+                self._deadline, self._timeout = deadline, timeout
+                for call in self._fast_timed:
+                    call()
+                return self.recvbuf
         waitall = MPI.Request.Waitall
         for requests, bound in self.steps():
             if deadline is None:
@@ -453,13 +463,10 @@ class Plan(_PlanBase):
         """The split of a run without deadline (untraced, one step at least; not freed, broken
         or running) that starts it *lean*: ``(program, head, rest, requests)``.
 
-        A lean start posts the first step from the plan's flat program, with no step
-        generator; a wait that finds nothing else in flight runs the rest of the flat program
-        (the cheapest start and wait), anything else turns it into a stepwise run. Calling ``head``'s
-        argument-free calls loads the buffers and starts the first step, whose requests are
-        ``requests``; ``rest``'s calls complete the run from there (waited in the caller's
-        thread when nothing else is in flight; else the run continues as
-        ``steps(posted=requests)``). Made once per flat program (``program``) and kept.
+        A lean start posts the first step from the flat program (no step generator); a wait
+        with nothing else in flight runs ``rest`` (the cheapest start and wait), anything else
+        turns it into ``steps(posted=requests)``. ``head``'s calls load the buffers and start
+        the first step, whose requests are ``requests``. Made once per flat program, and kept.
 
         A persistent plan's program is ``_fast``; a plan without persistent requests (an
         ``iallreduce``'s, which takes a new slot of tags per start) gets one made on first use
@@ -566,6 +573,11 @@ class Plan(_PlanBase):
         not_received = sorted({peer for (peer, _), request in zip(bound.sends, requests[nrecv:])
                                if not request.Get_status()} - {*not_sent})
         return bound.index, not_sent, not_received
+
+    def _poll_step(self, requests, bound: _BoundStep) -> None:
+        """A step's wait in ``_fast_timed``: poll to the run's deadline, else :meth:`expire`."""
+        if not poll(requests, self._deadline):
+            self.expire(requests, bound, self._timeout)
 
     def expire(self, requests, bound: _BoundStep | None, timeout: float) -> None:
         """Give up on a step past its deadline: cancel its receives, mark the plan, raise
