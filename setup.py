@@ -6,6 +6,7 @@ compiler is missing or fails, the install goes on with the pure-Python form, whi
 reference (``python -m mpiallreduce`` says which form is active).
 """
 
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -26,6 +27,12 @@ class optional_build_ext(build_ext):
                 reason = reason[:100] + "..."
             print(f"mpiallreduce: the compiled call path was not built ({reason}); installing "
                   f"the pure-Python form", file=sys.stderr)
+            # an earlier build left in the source tree (an editable install) would be imported
+            # instead, and no longer match the Python modules: remove it
+            stale = os.path.join(os.path.dirname(SOURCE),
+                                 os.path.basename(self.get_ext_filename(ext.name)))
+            if os.path.exists(stale):
+                os.remove(stale)
 
 
 def extensions() -> list:
