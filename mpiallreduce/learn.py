@@ -201,7 +201,8 @@ class Learner:
         self._check = None if explicit else Signature(call.signature(None))
         self.comm = state.private
         self.sendbuf, self.recvbuf, self.reducer = call.send, call.recv, call.reducer
-        self.timeout = None
+        # a plan's default timeout (mar.plan(timeout=...)): its runs then never learn
+        self.timeout = getattr(bind, "keywords", {}).get("timeout")
         self._plans: dict = {}
         self._freed = False
         self._done = self._request = None  # (the starter's, as for every plan without steps)
@@ -226,7 +227,7 @@ class Learner:
         if self._freed:
             raise ValueError("this plan has been freed")
         record = self.record
-        if timeout is not None:
+        if timeout is not None or self.timeout is not None:
             return self.plan_of(record.winner or record.ruled).run(timeout)
         if record.winner is not None:
             if not record.relearn:

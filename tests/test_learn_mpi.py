@@ -133,6 +133,16 @@ def test_calls_with_a_timeout_are_never_timed(comm):
     _same_choices(comm)
 
 
+def test_a_plan_with_a_default_timeout_never_learns(comm):
+    x = contribution(comm, 200, "float64")
+    out = np.empty_like(x)
+    with mar.plan(x, out, comm=comm, timeout=30) as plan:
+        for _ in range(_enough(comm)):
+            plan.run()
+            assert_matches_native(comm, x, out, MPI.SUM)
+    assert all(r.learning_calls == 0 and r.winner is None for r in _records(comm))
+
+
 def test_call_caches_that_differ_between_ranks_still_agree(comm):
     """Rank 0 keeps no call (every call binds afresh), the others keep theirs: the case's count
     of calls, not the cache, says which candidate runs, so every rank runs the same one."""
