@@ -42,6 +42,7 @@ from dataclasses import replace
 from mpiallreduce.algorithms.nodes import NODE_PHASED
 from mpiallreduce.model import DEFAULT_MACHINE, Machine, Oversubscribed, check_cores, predict
 from mpiallreduce.model.fit import fit_terms
+from mpiallreduce.sizes import parse_size
 from mpiallreduce.topology import Topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -257,6 +258,44 @@ def as_used(records: list[dict]) -> tuple[list[str], dict]:
     return lines, figures
 
 
+#: shm's small regime at 2 ranks, where its time grows with the bytes read from the peer's slot
+SHM_SLOPE_SIZES = (8 << 10, 64 << 10)
+
+
+def shm_slopes(records: list[dict]) -> list[str]:
+    """Lines: per case and mode, the measured seconds per byte of ``shm`` from 8 to 64 KiB
+    (least-squares slope of its rows) against the model's. Each case and mode is its own
+    mpirun job, and this slope takes one of two values by job (docs/model.md, "Judged as it
+    is used"): the model, calibrated in one job, has one of them."""
+    lines = []
+    for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in records):
+        mine = [r for r in records if r["case"] == case and r["mode"] == mode
+                and r["algorithm"] == "shm" and r["predicted_us"] is not None
+                and SHM_SLOPE_SIZES[0] <= r["size"] <= SHM_SLOPE_SIZES[1]]
+        if len({r["size"] for r in mine}) < 2:
+            continue
+        sizes = [r["size"] for r in mine]
+        slopes = [_slope(sizes, [r[key] for r in mine]) * 1e3
+                  for key in ("measured_us", "predicted_us")]
+        lines.append(f"# shm per byte, 8-64 KiB: {case:>5} {mode:>4} measured {slopes[0]:.3f} "
+                     f"ns/B, predicted {slopes[1]:.3f} ns/B")
+    return lines
+
+
+def _slope(x: list[float], y: list[float]) -> float:
+    mean_x, mean_y = sum(x) / len(x), sum(y) / len(y)
+    return (sum((a - mean_x) * (b - mean_y) for a, b in zip(x, y))
+            / sum((a - mean_x) ** 2 for a in x))
+
+
+def keep_sizes(measured: dict, largest: int | None) -> dict:
+    """``measured`` with the rows above ``largest`` bytes left out (None: all)."""
+    if largest is None:
+        return measured
+    return {key: [row for row in rows if row["size"] <= largest]
+            for key, rows in measured.items()}
+
+
 def _share(hits: int, count: int) -> str:
     return f"{hits}/{count} ({hits / count:.0%})" if count else "-"
 
@@ -385,6 +424,9 @@ def main(argv=None, out=None) -> int:
                         help="write the bench rows of this run for a later --measured")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="predicted against measured (needs matplotlib: the plot extra)")
+    parser.add_argument("--max-size", default=None, metavar="SIZE",
+                        help="judge (and --fit) only rows of at most SIZE bytes, e.g. 64K "
+                             "(issue 38 judges 8 B-64 KiB; stored runs reach 64 MiB)")
     parser.add_argument("--intra", choices=("auto", "shm", "p2p"), default="auto",
                         help="hierarchical and cascade's intra-node phase as the bench ran it "
                              "(default auto, as the library runs them; p2p for rows measured "
@@ -396,8 +438,9 @@ def main(argv=None, out=None) -> int:
     machine = Machine.load(opts.machine) if opts.machine else DEFAULT_MACHINE
     if opts.calibrate:
         machine = calibrate(opts.calibrate)
+    largest = None if opts.max_size is None else parse_size(opts.max_size)
     if opts.fit:
-        machine = fitted(machine, load_measured(opts.fit))
+        machine = fitted(machine, keep_sizes(load_measured(opts.fit), largest))
     if opts.measured:
         try:
             measured = load_measured(opts.measured)
@@ -423,7 +466,7 @@ def main(argv=None, out=None) -> int:
                 if len(saved) > 1:
                     path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
                 path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
-    records = compare(measured, machine, opts.cores, opts.intra)
+    records = compare(keep_sizes(measured, largest), machine, opts.cores, opts.intra)
     info = machine.info
     print(f"# machine: {opts.calibrate or opts.machine or 'built-in'}"
           + (f", terms fitted to {', '.join(opts.fit)}" if opts.fit else "") + " ("
@@ -445,7 +488,7 @@ def main(argv=None, out=None) -> int:
     relative = relative_summary(records)
     if len(relative) > 1:
         print("\n".join(relative), file=out)
-    print("\n".join(as_used(records)[0]), file=out)
+    print("\n".join(as_used(records)[0] + shm_slopes(records)), file=out)
     if opts.plot:
         plot(records, opts.plot)
         print(f"# wrote {opts.plot}", file=out)
