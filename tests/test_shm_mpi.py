@@ -665,3 +665,54 @@ def test_setting_a_constant_of_the_package_sets_it_where_it_is_read(monkeypatch)
     monkeypatch.undo()
     assert shm.node.CLOSE_SECONDS == shm.CLOSE_SECONDS == 10.0
     assert shm.protocol.CHUNK_BYTES == 512 << 10
+
+
+def test_shared_empty_refuses_what_is_no_live_intracommunicator():
+    """shared_empty checks its communicator first, as every entry point does: the same errors
+    as mar.allreduce, on every rank, before anything collective."""
+    with pytest.raises(TypeError, match="must be an mpi4py communicator"):
+        shm.shared_empty(4, comm="world")
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        shm.shared_empty(4, comm=MPI.COMM_NULL)
+
+
+def test_headers_start_at_zero_over_a_dirty_shared_window(monkeypatch):
+    """MPI does not promise that a shared window starts zeroed: a node zeroes its own header
+    before its first barrier. Here every window a node allocates is filled with 0x7f bytes
+    first (counters that look far ahead, signatures that differ), and calls of every regime
+    still give comm.Allreduce's result on every rank."""
+    allocate = shm.node.Node._allocate
+
+    def dirty(node, nbytes):
+        window = allocate(node, nbytes)
+        np.frombuffer(window.Shared_query(node.rank)[0], np.uint8)[:] = 0x7F  # its own segment
+        return window
+
+    monkeypatch.setattr(shm.node.Node, "_allocate", dirty)
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        for count in (1, 1000, shm.SMALL_BYTES // 8 + 3):
+            for seed in range(3):  # new inputs every call
+                x = contribution(comm, count, "float64", seed=seed)
+                out = mar.allreduce(x, comm=comm, algorithm="shm", timeout=60)
+                assert_matches_native(comm, x, out, MPI.SUM)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mismatch_seen_while_waiting_for_a_late_rank_raises_on_every_rank():
+    """Ranks that run different calls raise on every rank: the late rank compares the
+    signatures at once, the others in their wait for it (the first arrival's comparison)."""
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        x = contribution(comm, 10 + comm.rank % 2, "float64")
+        for late in (0, 1):
+            if comm.rank == late:
+                time.sleep(0.2)  # past every wait's spin: the others compare while they wait
+            with pytest.raises(ValueError, match="count differs"):
+                mar.allreduce(x, comm=comm, algorithm="shm", check=False)
+        y = contribution(comm, 10, "float64", seed=1)  # the communicator goes on working
+        assert_matches_native(comm, y, mar.allreduce(y, comm=comm, algorithm="shm"), MPI.SUM)
+    finally:
+        comm.Free()

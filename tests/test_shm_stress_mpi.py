@@ -180,3 +180,48 @@ def test_the_hook_is_off_and_unbound_in_production():
         plan.free()
     finally:
         comm.Free()
+
+
+class _Counted(shm.Stalls):
+    """The hook, counting its stalls instead of sleeping."""
+
+    def __init__(self):
+        super().__init__(seed=0, probability=1.0, longest=0.0)
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_the_hook_stalls_every_regime(monkeypatch):
+    """Plans of every regime bound while the hook is set stall between their steps (else the
+    tests above would run the protocol as production does, and catch less), and still give
+    comm.Allreduce's result on every rank."""
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)
+    comm = MPI.COMM_WORLD.Dup()
+    large = shm.SMALL_BYTES_TWO_RANKS // 8 + 2 * comm.size + 1
+    verdicts = []
+    try:
+        for count, shared, regime in ((7, False, shm.SmallPlan), (large, False, shm.ChunkedPlan),
+                                      (large, True, shm.DirectPlan)):
+            counted = _Counted()
+            monkeypatch.setattr(shm, "STALLS", counted)
+            recv = _buffer(comm, count, "float64", shared)
+            x = _inputs(comm, count, "float64", "SUM", count)
+            recv[...] = x
+            plan = mar.plan(MPI.IN_PLACE, recv, comm=comm, algorithm="shm")
+            try:
+                plan.run()
+                expected = np.empty_like(x)
+                comm.Allreduce(x, expected)
+                verdicts.append((regime.__name__, comm.size == 1 or (
+                    isinstance(plan, regime) and counted.calls > 0),
+                    np.array_equal(recv, expected)))
+            finally:
+                plan.free()
+                if shared:
+                    recv.free()
+    finally:
+        comm.Free()
+    every = MPI.COMM_WORLD.allgather(verdicts)
+    assert all(stalled and right for verdict in every for _, stalled, right in verdict), every
