@@ -172,7 +172,15 @@ def _simulate_ring_sparse(base: tuple, nranks: int, count: int, topology: Topolo
         if request:  # a busy rank starts and waits its send and its receive
             relative[sender] += request
             relative[receiver] += request
-        finish = np.maximum(relative[sender], relative[receiver]) + message[offset][sender]
+        finish = np.maximum(relative[sender], relative[receiver])
+        finish += message[offset][sender]
+        if type(sender) is slice and type(receiver) is slice:  # views: updated in place
+            sent, received = relative[sender], relative[receiver]
+            np.maximum(sent, finish, out=sent)
+            np.maximum(received, finish, out=received)
+            if reduces:
+                received += reduce_cost
+            continue
         relative[sender] = np.maximum(relative[sender], finish)
         relative[receiver] = np.maximum(relative[receiver], finish)
         if reduces:
