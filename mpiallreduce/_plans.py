@@ -13,9 +13,10 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _form, algorithms, learn, select, shm, shm_nodes
-from ._agree import Signature, agree, disagree
-from ._checks import ALGORITHMS, Call, plain_timeout
+from ._agree import Signature, agree, disagree, prepare
+from ._checks import ALGORITHMS, Call, allreduce_call, plain_timeout
 from ._state import CALLS, LAST, SHAPES, CommState
+from ._state import state as comm_state
 from .algorithms.compose import check_intra
 from .algorithms.nodes import NODE_PHASED, node_phase
 from .executor import Plan, scratch_size
@@ -573,6 +574,25 @@ def cacheable(sendbuf, recvbuf, call: Call) -> bool:
     return (isinstance(recvbuf, np.ndarray)
             and (sendbuf is MPI.IN_PLACE or isinstance(sendbuf, np.ndarray))
             and call.reducer.index >= 0)
+
+
+def bind_one_shot(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
+                  params: dict, allocated: bool = False):
+    """A blocking allreduce the call cache does not hold, nor a shape (the arguments of
+    :func:`cached_call`'s ``bind``): checked and agreed, bound, run, and kept under
+    :func:`call_key` where it can be (:func:`one_shot`). ``allocated``: ``recvbuf`` was made
+    for this call, so only its shape is remembered. ``api._bind`` and the reproducible vector
+    sums' words end here."""
+    call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
+        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
+        checks_itself=checks_itself)
+    if call.recv.size == 0:
+        return call.recv
+    # a result made here is remembered by its shape only: the cache holds no caller's arrays
+    key = None if allocated else call_key(slot, comm, sendbuf, op, algorithm, topology, params)
+    cache = key is not None and cacheable(sendbuf, recvbuf, call)
+    return one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology), cache,
+                    timeout, allocated=allocated)
 
 
 def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bool,

@@ -98,17 +98,8 @@ def _bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
         if shape is not None and _plans.fresh_arrays(sendbuf, recvbuf) \
                 and not shape.repeats(sendbuf, recvbuf):
             return shape.call(sendbuf, recvbuf, check)
-    call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout,
-        checks_itself=_plans.checks_itself)
-    if call.recv.size == 0:
-        return call.recv
-    # a result made here is remembered by its shape only: the cache holds no caller's arrays
-    key = None if allocated is not None else _plans.call_key(slot, comm, sendbuf, op, algorithm,
-                                                             topology, params)
-    cache = key is not None and _plans.cacheable(sendbuf, recvbuf, call)
-    return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
-                           cache, timeout, allocated=allocated is not None)
+    return _plans.bind_one_shot(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                                timeout, params, allocated=allocated is not None)
 
 
 if _form.compiled is not None:

@@ -350,12 +350,12 @@ def test_any_exception_of_a_local_check_reaches_every_rank(comm, monkeypatch):
             raise KeyError("something only rank 1 saw")
         return real(*args, **kwargs)
 
-    import mpiallreduce.api as api
-    monkeypatch.setattr(api, "allreduce_call", failing)
+    # (the one-shot call's checks: _plans.bind_one_shot, where every blocking entry binds)
+    monkeypatch.setattr(_plans, "allreduce_call", failing)
     with pytest.raises(KeyError, match="bad input on rank 1: 'something only rank 1 saw'"):
         mar.allreduce(np.ones(3), comm=comm)
     # the next call is fine everywhere
-    monkeypatch.setattr(api, "allreduce_call", real)
+    monkeypatch.setattr(_plans, "allreduce_call", real)
     x = contribution(comm, 5, "float64")
     assert_matches_native(comm, x, mar.allreduce(x, comm=comm), MPI.SUM)
 

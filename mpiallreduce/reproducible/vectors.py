@@ -12,8 +12,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _plans
-from .._agree import FIELDS, Signature, agree, bad_signature, prepare
-from .._checks import ALGORITHMS, allreduce_call
+from .._agree import FIELDS, Signature, agree, bad_signature
+from .._checks import ALGORITHMS
 from .._state import state as comm_state
 from ..ops import DTYPES, OP_NAMES
 from . import _exact
@@ -115,13 +115,11 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
 
 def _bind_words(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params):
     """The words' SUM where the call cache does not hold it (:func:`._plans.cached_call`, whose
-    arguments these are): bound, run and kept, as a plain ``mar.allreduce`` of the same kept
-    buffer (``api._bind``) does; the buffer is the same each call, never known by its shape."""
-    call = prepare("allreduce", comm, check, lambda comm: allreduce_call(
-        sendbuf, recvbuf, op, comm, algorithm, topology, params), timeout=timeout)
-    key = _plans.call_key(slot, comm, sendbuf, op, algorithm, topology, params)
-    return _plans.one_shot(comm_state(comm), call, key, (comm, sendbuf, recvbuf, op, topology),
-                           key is not None and _plans.cacheable(sendbuf, recvbuf, call), timeout)
+    arguments these are): bound, run and kept as a plain ``mar.allreduce`` of the same kept
+    buffer is (:func:`._plans.bind_one_shot`); the buffer is the same each call, never known by
+    its shape."""
+    return _plans.bind_one_shot(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                                timeout, params)
 
 
 def _buffer(cache: dict, name: str, size: int) -> np.ndarray:
