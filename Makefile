@@ -53,6 +53,9 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 # Open MPI 5's osc/ucx prints an error on a process's first shared window where UCX finds no
 # device (this VM, most laptops); shared windows use osc/sm either way.
 export OMPI_MCA_osc ?= ^ucx
+# where a C compiler exists pip builds the compiled call path: a test fails if it is missing
+# (a build that failed quietly would otherwise test the Python form twice)
+export MPIALLREDUCE_EXPECT_COMPILED ?= $(shell command -v cc >/dev/null 2>&1 && echo 1 || echo 0)
 
 .PHONY: test test-quick test-serial test-mpi test-mpi4py test-torch test-python-form test-large bench bench-sweep lint clean
 

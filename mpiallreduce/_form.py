@@ -23,9 +23,11 @@ else:
         # (by name: the Cython module imports nothing of the package, and the layer test
         # reads only .py sources)
         compiled = importlib.import_module(f"{__package__}._compiled")
-    except ImportError:
+    except ImportError as exc:
+        # (not built: no module; built against another NumPy or Python: its own message)
         REASON = ("the compiled extension is not built; pip install with a C compiler "
-                  "builds it")
+                  "builds it" if isinstance(exc, ModuleNotFoundError)
+                  else f"the compiled extension does not load ({exc}); reinstall to rebuild it")
     else:
         REASON = "built with Cython"
 
