@@ -16,7 +16,7 @@ Prints one row per size and mode: auto's time after learning, the best algorithm
 and their ratio (the target: <= 1.05), what ``auto`` picked among which candidates, how many
 calls learning took, what they cost in all and beyond the same number of the winner's calls
 (after one call of ``native`` and of ``shm`` by name: the set-up any first call pays, learning
-or not, is not counted).
+or not, is not counted). Each row's ``auto`` result is checked against ``comm.Allreduce``.
 Times are microseconds per call; rank 0 prints. The machine's load is printed first: on a
 shared machine compare ratios within a run, never absolute times between runs.
 """
@@ -112,6 +112,16 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
             mar.allreduce(send, out, comm=comm, algorithm="shm")
         calls, cost, report = _learn(comm, send, out)
         times = _time(comm, _contenders(comm, send, out), size, repeats)
+        # auto's result after learning, against comm.Allreduce (the same on every rank)
+        reference = np.empty_like(x)
+        comm.Allreduce(x, reference)
+        if in_place:
+            out[:] = x
+        else:
+            out.fill(np.nan)
+        mar.allreduce(send, out, comm=comm)
+        if not comm.allreduce(bool(np.array_equal(out, reference)), op=MPI.LAND):
+            raise SystemExit(f"auto's result differs from comm.Allreduce at {size} bytes")
         ours = {k: t for k, t in times.items() if k not in ("auto", "comm.Allreduce")}
         best = min(ours, key=ours.get)
         winner = report["winner"]
