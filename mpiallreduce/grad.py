@@ -40,9 +40,11 @@ from .shm import shared_empty
 #: default bucket cap in bytes (PyTorch DDP's ``bucket_cap_mb=25``).
 BUCKET_BYTES = 25 << 20
 #: an uncompressed gradient of at least this many bytes is a bucket of its own, reduced in place
-#: in the array itself. Packing saves one call's overhead (microseconds, tens across nodes) but
-#: copies the array in and out; at 1 MiB those copies move 4 MiB through memory, hundreds of
-#: microseconds, far more than the call they save.
+#: in the array itself, where the plans do not run shm. Packing saves one call's overhead
+#: (microseconds, tens across nodes) but copies the array in and out; at 1 MiB those copies move
+#: 4 MiB through memory, hundreds of microseconds, far more than the call they save. On one node
+#: shm reduces a private array a chunk at a time (a handshake between the ranks per chunk), a
+#: shared bucket in one step: there packing wins, and GradSync packs every array.
 SOLO_BYTES = 1 << 20
 #: steps ``overlap="auto"`` times in each mode before it keeps the faster one.
 PROBE_STEPS = 3
@@ -84,8 +86,11 @@ class GradSync:
         compression: ``None``, ``"fp16"``, ``"bf16"`` or a :class:`~.compression.TopK`.
         solo_bytes: without compression, an array of at least this many bytes is a bucket of
             its own reduced in place in the array (no copy in or out; default
-            :data:`SOLO_BYTES`). Such an array holds the result as soon as its bucket completes,
-            which may be before :meth:`wait`: do not write it between ``ready`` and ``wait``.
+            :data:`SOLO_BYTES`), except where the plans run ``shm`` (every rank on one node):
+            there every array is packed, as shm reduces a shared bucket in one step but a
+            private array a chunk at a time. A solo array holds the result as soon as its
+            bucket completes, which may be before :meth:`wait`: do not write it between
+            ``ready`` and ``wait``.
         overlap: ``True`` starts a bucket's reduction as soon as it is ready (it progresses
             while backprop goes on: worth it with a spare core per rank or a network card doing
             the transfers); ``False`` starts every bucket at :meth:`wait` (nothing competes with
@@ -136,6 +141,15 @@ class GradSync:
         self._solo_bytes = float("inf") if solo_bytes is None else solo_bytes
         self.buckets = [self._bucket(members) for members in
                         pack(self.arrays, bucket_bytes, solo_bytes)]
+        if any(bucket.solo and bucket.plan.algorithm == "shm" for bucket in self.buckets):
+            # one node (the choice is agreed: every rank rebuilds): shm reduces a shared
+            # bucket in place, one handshake per bucket, but a solo array's private memory a
+            # chunk at a time, a handshake per chunk, which cost more than the copies in and
+            # out they save (docs/training.md). Pack every array instead.
+            self._free_buckets()
+            self._solo_bytes = float("inf")
+            self.buckets = [self._bucket(members) for members in
+                            pack(self.arrays, bucket_bytes, None)]
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
         self._next = 0  # the next bucket to start, in bucket order
         self._marked = [False] * len(self.arrays)
@@ -291,6 +305,9 @@ class GradSync:
 
     def free(self) -> None:
         """Free the plans, then the shared buckets (collective: on every rank together)."""
+        self._free_buckets()
+
+    def _free_buckets(self) -> None:
         for bucket in self.buckets:
             if bucket.plan is not None:
                 bucket.plan.free()

@@ -179,6 +179,32 @@ def test_buckets_of_shm_plans_are_shared_arrays(algorithm, op):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["shm", "auto"])
+def test_on_one_node_large_gradients_are_packed_into_shared_buckets(algorithm):
+    """Where the plans run shm, no gradient is solo (shm would reduce its private memory a
+    chunk at a time): every array is packed into shared buckets, and results equal
+    comm.Allreduce's; elsewhere large gradients stay solo."""
+    comm = MPI.COMM_WORLD
+    if mar.Topology.from_comm(comm).nnodes > 1:
+        algorithm = "auto"  # simulated nodes: shm refuses
+    shapes = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64")]
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, solo_bytes=1024) as sync:
+        shm = [b.plan.algorithm == "shm" for b in sync.buckets]
+        if all(shm):
+            assert not any(b.solo for b in sync.buckets)
+            assert all(b.shared for b in sync.buckets)
+        else:
+            assert not any(shm) and sum(b.solo for b in sync.buckets) == 2
+        for step in range(3):
+            fresh = _grads(comm, step + 1, integer_valued=True, shapes=shapes)
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            for got, f in zip(sync.synchronize(), fresh):
+                assert np.array_equal(got, _reference(comm, f, MPI.SUM))
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("overlap", [True, False, "auto"])
 @pytest.mark.parametrize("algorithm", ["native", "ring"])
 def test_every_overlap_mode_gives_the_sum(overlap, algorithm):
