@@ -243,7 +243,7 @@ def _disagree(checker: MPI.Intracomm, what: str, fields: list[int]) -> None:
     disagree(checker, what, fields, None, ALGORITHMS)
 
 
-def checks_itself(call: Call, state: CommState) -> bool:
+def checks_itself(call: Call, state: CommState, learned: bool = True) -> bool:
     """Does this one-shot allreduce's run check its own arguments, so that ``check=True`` needs
     no separate agreement? Where it runs ``shm`` and binds without a collective: the run then
     compares every rank's signature, the agreement's fields included (:mod:`.shm`), and raises
@@ -253,13 +253,15 @@ def checks_itself(call: Call, state: CommState) -> bool:
     the discovered topology), never from the call cache: a rank whose cache lost the call
     decides as the ranks that find it. A rank that decides otherwise (its arguments differ)
     runs the separate check at the same epoch, which the others' runs see and join.
+    ``learned``: as :func:`resolve` (False where the call never takes what ``auto`` learned).
     """
     if call.collective != "allreduce":
         return False
     topology = call.topology if call.topology is not None else state.topology
     if topology is None or topology.nnodes != 1:
         return False  # discovering it would be collective; several nodes never run shm
-    return resolve(call, state.private.Get_size(), state) == "shm" and shm.fits(call, state)
+    return resolve(call, state.private.Get_size(), state, learned=learned) == "shm" \
+        and shm.fits(call, state)
 
 
 # -- the one-shot call cache --------------------------------------------------------------------------

@@ -39,10 +39,11 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from . import _hooks, select
+from . import select
 from ._agree import Signature, agree
 from ._checks import ALGORITHMS
 from ._state import state as comm_state
+from .executor import _PlanBase
 
 #: what :func:`resolve` returns while a case is being learned: build a :class:`Learner`.
 LEARNING = "learn"
@@ -262,15 +263,8 @@ class Learner:
         self.run, self.start, self.wait = winner.run, winner.start, winner.wait
         return winner.run()
 
-    def start(self, timeout: float | None = None):
-        """Start a run (see :meth:`run`); a learning run runs whole, in call order."""
-        self._request = _hooks.starter(self, timeout)
-        return self._request
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        if self._request is None:
-            raise ValueError("wait() on a plan that was never started; call start() first")
-        return self._request.wait(timeout)
+    # every plan's start and wait (a learning run runs whole at the start, in call order)
+    start, wait = _PlanBase.start, _PlanBase.wait
 
     def free(self) -> None:
         if not self._freed:

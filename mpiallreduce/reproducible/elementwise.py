@@ -181,7 +181,8 @@ class ReproduciblePlan(_PlanBase):
         self._words = np.full(nranks, -0.0)
         self._own = (self._words,)
         self._block = ()
-        self.fused = nranks > 1 and _plans.resolve(call, nranks, state, deadline, what) == "shm"
+        self.fused = nranks > 1 and _plans.resolve(call, nranks, state, deadline, what,
+                                                    learned=False) == "shm"
         if self.fused:  # shm: the run reads the peers' values where they wrote them, and checks
             # the arguments itself (its signature, reproducible marked, folds the check's in)
             self._inner = _plans.build_shm(call, state, explicit=explicit, timeout=timeout,
