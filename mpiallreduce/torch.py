@@ -14,14 +14,11 @@ bucket fills. The hook hands the bucket to the state's communication thread and 
 ``torch.futures.Future`` at once, so backward goes on while the bucket is reduced (DDP's
 overlap, as Gloo's own worker threads give it). The thread reduces buckets in the order the
 hooks ran, the same order on every rank (DDP's), each through a persistent plan bound once per
-bucket (``auto`` picking the algorithm: ``shm`` on one node, schedules across nodes), started
-with :func:`mpiallreduce.start`; buckets whose plans run schedules overlap each other, then each
-future completes as its request does. Across nodes the plan reduces the bucket's own memory (a
-NumPy view of the CPU tensor). On one node it reduces a shared array of the bucket's size
-(:func:`mpiallreduce.shared_empty`), which the division by p fills from the bucket: the ranks
-read each other's arrays in one step, and the future's value is the array (DDP copies it into
-the gradients, as it copies its bucket). Without ``MPI_THREAD_MULTIPLE`` there is no thread:
-the hook reduces the bucket itself and returns a completed future.
+bucket to the bucket's own memory (zero-copy: a NumPy view of the CPU tensor, ``auto`` picking
+the algorithm: ``shm`` on one node, schedules across nodes), started with
+:func:`mpiallreduce.start`; buckets whose plans run schedules overlap each other, then each
+future completes as its request does. Without ``MPI_THREAD_MULTIPLE`` there is no thread: the
+hook reduces the bucket itself and returns a completed future.
 
 **Semantics** are PyTorch's own hooks' (``torch.distributed.algorithms.ddp_comm_hooks``):
 :func:`allreduce_hook` divides the bucket by the number of ranks, then sums (the bits of DDP
@@ -58,7 +55,6 @@ from ._checks import view
 from .api import plan as _plan
 from .compression import TopK
 from .nonblocking import start
-from .shm import shared_empty
 
 __all__ = ["Bucket", "State", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
            "init_process_group", "topk_hook"]
@@ -234,13 +230,9 @@ class State:
 class _Reduction:
     """A bucket's buffer, the payload that travels and the plan bound to it.
 
-    ``wire`` None: the payload holds the bucket's own dtype; otherwise the wire dtype (the
-    buffer is cast into it and back). 16-bit payloads are reduced as their words (``uint16``)
-    with the codec's float32-adding op. Where the plan runs ``shm`` (every rank on one node),
-    the payload is a shared array in the node's window (:func:`mpiallreduce.shared_empty`):
-    the ranks reduce straight from each other's payloads (shm's direct regime: no copy into
-    or out of the window, no chunk-by-chunk waits), and the division by p is the pass that
-    fills it. Elsewhere the payload of a ``wire`` None reduction is the bucket itself.
+    ``wire`` None: the payload is the buffer itself, reduced in place. Otherwise a tensor of
+    the wire dtype kept for the bucket: the buffer is cast into it and back. 16-bit payloads
+    are reduced as their words (``uint16``) with the codec's float32-adding op.
     """
 
     wire: torch.dtype | None = None
@@ -248,55 +240,31 @@ class _Reduction:
     def __init__(self, state: State, index: int, buffer: torch.Tensor):
         self.state, self.index, self.buffer = state, index, buffer
         self.key = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
-        self.shared = None
         wire = self.wire if self.wire is not None else buffer.dtype
         self.payload = buffer if wire == buffer.dtype else torch.empty(buffer.numel(), dtype=wire)
-        self.plan = self._bind(self.payload)
-        if self.plan.algorithm == "shm" and state.size > 1:
-            # one node (the choice is agreed: every rank makes the collective shared_empty)
-            self.plan.free()
-            words = view(self._words(self.payload).detach(), "bucket")
-            self.shared = shared_empty(words.size, words.dtype, comm=state.comm)
-            self.payload = torch.from_numpy(self.shared).view(wire)
-            self.plan = self._bind(self.payload)
-
-    def _words(self, payload: torch.Tensor) -> torch.Tensor:
-        return payload.view(torch.uint16) if payload.dtype in _WORDS else payload
-
-    def _bind(self, payload: torch.Tensor):
-        codec = _WORDS.get(payload.dtype)
-        return _plan(MPI.IN_PLACE, view(self._words(payload).detach(), "bucket"),
-                     op=MPI.SUM if codec is None else codec.op, comm=self.state.comm,
-                     algorithm=self.state.algorithm, timeout=self.state.timeout)
+        codec = _WORDS.get(wire)
+        words = self.payload.view(torch.uint16) if codec is not None else self.payload
+        self.plan = _plan(MPI.IN_PLACE, view(words.detach(), "bucket"),
+                          op=MPI.SUM if codec is None else codec.op, comm=state.comm,
+                          algorithm=state.algorithm, timeout=state.timeout)
 
     def fits(self, buffer: torch.Tensor) -> bool:
         return (buffer.data_ptr(), buffer.numel(), buffer.dtype) == self.key
 
     def start(self, buffer: torch.Tensor):
-        # as PyTorch's hooks: divide, then sum (16-bit wires: cast, then divide)
-        if self.payload is self.buffer:
-            self.payload.div_(self.state.size)
-        elif self.wire is None:
-            torch.div(self.buffer, self.state.size, out=self.payload)
-        else:
+        if self.payload is not self.buffer:
             self.payload.copy_(self.buffer)
-            self.payload.div_(self.state.size)
+        self.payload.div_(self.state.size)  # as PyTorch's hooks: divide, then sum
         return start(self.plan, self.state.timeout)
 
     def finish(self, request) -> torch.Tensor:
-        """The average: the payload itself where it holds the bucket's dtype (DDP copies the
-        future's tensor into the gradients; a shared payload is rewritten by the bucket's next
-        reduction), else cast back into the bucket."""
         request.wait()
-        if self.wire is None:
-            return self.payload
-        self.buffer.copy_(self.payload)
+        if self.payload is not self.buffer:
+            self.buffer.copy_(self.payload)
         return self.buffer
 
     def free(self) -> None:
         self.plan.free()
-        if self.shared is not None:
-            self.shared.free()
 
 
 class _FP16(_Reduction):
