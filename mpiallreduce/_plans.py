@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import replace
 from functools import partial
 
@@ -15,6 +14,7 @@ from mpi4py import MPI
 from . import _form, algorithms, learn, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree, prepare
 from ._checks import ALGORITHMS, Call, allreduce_call, plain_timeout
+from ._lru import LRU
 from ._state import CALLS, LAST, SHAPES, CommState
 from ._state import state as comm_state
 from .algorithms.compose import check_intra
@@ -29,38 +29,29 @@ _MESSAGE_BYTES = 120
 
 
 class _ScheduleCache:
-    """Per-rank step lists by (algorithm, rank, p, count, topology, parameters), LRU, bounded by
-    an estimate of their bytes so that 4096-rank schedules cannot pile up."""
+    """Per-rank step lists by (algorithm, rank, p, count, topology, parameters), least recently
+    used out first (:class:`._lru.LRU`), bounded by an estimate of their bytes so that
+    4096-rank schedules cannot pile up; one lock, as plans are bound from several threads."""
 
     def __init__(self, max_bytes: int = SCHEDULE_CACHE_BYTES):
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self.entries: OrderedDict = OrderedDict()
+        self.lru = LRU(max_weight=max_bytes)
         self.lock = threading.Lock()
 
     def get(self, key, build):
         with self.lock:
-            found = self.entries.get(key)
-            if found is not None:
-                self.entries.move_to_end(key)
-                return found[0]
-        steps = build()
+            found = self.lru.get(key)
+        if found is not None:
+            return found
+        steps = build()  # (outside the lock: another thread may build the same; one is kept)
         size = _MESSAGE_BYTES * (1 + sum(len(s.sends) + len(s.recvs) for s in steps))
-        if size > self.max_bytes:
-            return steps
         with self.lock:
-            if key not in self.entries:
-                self.entries[key] = (steps, size)
-                self.nbytes += size
-            while self.nbytes > self.max_bytes:
-                _, (_, old) = self.entries.popitem(last=False)
-                self.nbytes -= old
+            if self.lru.peek(key) is None:
+                self.lru.put(key, steps, size)  # (refused past the bound: returned, not kept)
         return steps
 
     def clear(self) -> None:
         with self.lock:
-            self.entries.clear()
-            self.nbytes = 0
+            self.lru.clear()
 
 
 SCHEDULES = _ScheduleCache()

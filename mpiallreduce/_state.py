@@ -17,41 +17,27 @@ every rank (creation is collective), so slot numbers agree without a message.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
+from ._env import env_int
 from ._lru import LRU
 from ._waiting import meet
 from .errors import CollectiveTimeout
 from .executor import ABANDONED, MPI_CANNOT_SAY, STEP_TAGS, poll
 from .topology import Topology
 
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise ValueError(f"{name}={value!r} is not a non-negative integer")
-    return number
-
-
 #: most one-shot plans kept per communicator (``MPIALLREDUCE_CACHE_ENTRIES``; 0 disables the cache).
-CACHE_ENTRIES = _env_int("MPIALLREDUCE_CACHE_ENTRIES", 64)
+CACHE_ENTRIES = env_int("MPIALLREDUCE_CACHE_ENTRIES", 64)
 #: most bytes (buffers kept alive plus plan scratch) the call cache holds per communicator
 #: (``MPIALLREDUCE_CACHE_BYTES``). A call bigger than this on its own is not cached.
-CACHE_BYTES = _env_int("MPIALLREDUCE_CACHE_BYTES", 64 << 20)
+CACHE_BYTES = env_int("MPIALLREDUCE_CACHE_BYTES", 64 << 20)
 #: most bytes of shared scratch kept per communicator between uncached calls; a bigger call gets
 #: scratch of its own that is released when it returns.
-SCRATCH_BYTES = _env_int("MPIALLREDUCE_SCRATCH_BYTES", 64 << 20)
+SCRATCH_BYTES = env_int("MPIALLREDUCE_SCRATCH_BYTES", 64 << 20)
 
 
 #: every cached one-shot plan of every communicator, by call key (see :class:`CallCache`): one

@@ -43,6 +43,7 @@ from ._buffers import (
     settle,
     whole,
 )
+from ._lru import LRU
 from ._plans import fresh_arrays, shape_key
 from ._requests import CommPrequest, CommRequest
 from ._state import SHAPES, fail_on
@@ -119,9 +120,12 @@ class Comm(MPI.Intracomm):
         # without it (mar.allreduce would refuse them)
         self._reproducible = bool(self._params.get("reproducible"))
         self._exact = {k: v for k, v in self._params.items() if k != "reproducible"}
-        self._calls: dict = {}  # id(recvbuf) -> an Allreduce routed as it came: see Allreduce
+        # id(recvbuf) -> an Allreduce routed as it came (see Allreduce); (dtype, size, in place,
+        # id(op)) -> (Shape, op, handle): each at most 64, least recently stored out first
+        # (the hit paths read the dicts, ``_calls`` and ``_shapes``, the compiled one too)
+        self._call_lru, self._shape_lru = LRU(64), LRU(64)
+        self._calls, self._shapes = self._call_lru.entries, self._shape_lru.entries
         self._previous = (None, None)  # the last pair of arrays seen once: see Allreduce
-        self._shapes: dict = {}  # (dtype, size, in place, id(op)) -> (Shape, op, handle)
         self._settings = dict(options, reduce_scatter_algorithm=reduce_scatter_algorithm,
                               allgather_algorithm=allgather_algorithm)
         if self._args[3] is not None:
@@ -221,8 +225,8 @@ class Comm(MPI.Intracomm):
         if view is None or view.handle != self.handle:
             # one object per handle: mpiallreduce caches plans by the communicator's identity
             view = self._view = MPI.Intracomm(self)
-            self._calls.clear()
-            self._shapes.clear()
+            self._call_lru.clear()
+            self._shape_lru.clear()
         return view
 
     def _adopt(self, comm):
@@ -332,20 +336,14 @@ class Comm(MPI.Intracomm):
         except TypeError:  # a parameter value that cannot be hashed: mar.allreduce kept none
             return
         if shape is not None:
-            shapes = self._shapes
-            if len(shapes) >= 64:
-                shapes.clear()
-            shapes[recvbuf.dtype, recvbuf.size, sendbuf is MPI.IN_PLACE, id(op)] = (
-                shape, op, self.handle)
+            self._shape_lru.put((recvbuf.dtype, recvbuf.size, sendbuf is MPI.IN_PLACE, id(op)),
+                                (shape, op, self.handle))
 
     def _remember(self, sendbuf, recvbuf, op, plain) -> None:
         """Keep an Allreduce routed with its own objects (they stay alive, so their ids stay
         theirs); a new element type of recvbuf or a new handle parses the call again."""
-        calls = self._calls
-        if len(calls) >= 64:
-            calls.clear()
-        calls[id(recvbuf)] = (sendbuf, recvbuf, op, recvbuf.dtype, self.handle, plain,
-                              *self._args)
+        self._call_lru.put(id(recvbuf), (sendbuf, recvbuf, op, recvbuf.dtype, self.handle,
+                                         plain, *self._args))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Start a reduce to all with :func:`mpiallreduce.iallreduce`; return a request to

@@ -75,6 +75,7 @@ from importlib import resources
 import numpy as np
 
 from . import algorithms
+from ._env import env_int
 from .ops import Reducer, native_deviates
 
 #: the format tag of the rules file and of tune's tables, checked on load.
@@ -250,27 +251,14 @@ def learn_settings() -> LearnSettings:
     mode = env.get(LEARN_ENV, "").strip().lower() or LEARN_DEFAULT
     if mode not in ("on", "off"):
         raise ValueError(f"{LEARN_ENV}={env[LEARN_ENV]!r}: expected on or off")
-    runs = _env_count(LEARN_RUNS_ENV, LEARN_RUNS, 1)
-    relearn = _env_count(RELEARN_ENV, RELEARN_EVERY, 0)
+    runs = env_int(LEARN_RUNS_ENV, LEARN_RUNS, 1)
+    relearn = env_int(RELEARN_ENV, RELEARN_EVERY, 0)
     return _settings(mode == "on", runs, relearn)
 
 
 @functools.lru_cache(maxsize=8)
 def _settings(on: bool, runs: int, relearn: int) -> LearnSettings:
     return LearnSettings(on, runs, relearn)
-
-
-def _env_count(name: str, default: int, least: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = least - 1
-    if value < least:
-        raise ValueError(f"{name}={text!r}: expected an integer >= {least}")
-    return value
 
 
 def learn_candidates(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
