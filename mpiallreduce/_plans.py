@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from dataclasses import replace
@@ -14,7 +13,7 @@ from mpi4py import MPI
 from . import _form, algorithms, learn, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree, prepare
 from ._checks import ALGORITHMS, Call, allreduce_call, plain_timeout
-from ._lru import LRU
+from ._schedules import SCHEDULES, builder_params, steps  # noqa: F401 - the package's names here
 from ._state import CALLS, LAST, SHAPES, CommState
 from ._state import state as comm_state
 from .algorithms.compose import check_intra
@@ -22,63 +21,6 @@ from .algorithms.nodes import NODE_PHASED, node_phase
 from .executor import Plan, scratch_size
 from .native_plan import NativePlan
 from .ops import native_deviates
-
-#: most bytes the schedule cache holds (estimated at :data:`_MESSAGE_BYTES` per message).
-SCHEDULE_CACHE_BYTES = 32 << 20
-_MESSAGE_BYTES = 120
-
-
-class _ScheduleCache:
-    """Per-rank step lists by (algorithm, rank, p, count, topology, parameters), least recently
-    used out first (:class:`._lru.LRU`), bounded by an estimate of their bytes so that
-    4096-rank schedules cannot pile up; one lock, as plans are bound from several threads."""
-
-    def __init__(self, max_bytes: int = SCHEDULE_CACHE_BYTES):
-        self.lru = LRU(max_weight=max_bytes)
-        self.lock = threading.Lock()
-
-    def get(self, key, build):
-        with self.lock:
-            found = self.lru.get(key)
-        if found is not None:
-            return found
-        steps = build()  # (outside the lock: another thread may build the same; one is kept)
-        size = _MESSAGE_BYTES * (1 + sum(len(s.sends) + len(s.recvs) for s in steps))
-        with self.lock:
-            if self.lru.peek(key) is None:
-                self.lru.put(key, steps, size)  # (refused past the bound: returned, not kept)
-        return steps
-
-    def clear(self) -> None:
-        with self.lock:
-            self.lru.clear()
-
-
-SCHEDULES = _ScheduleCache()
-
-
-def steps(name: str, rank: int, nranks: int, count: int, topology, params: tuple = (),
-          collective: str = "allreduce"):
-    """Rank ``rank``'s steps of algorithm ``name`` (cached)."""
-    def build():
-        algorithm = algorithms.get(name, collective)
-        return algorithm.steps(rank, nranks, count, topology=topology,
-                               **{**algorithm.params, **dict(params)})
-    return SCHEDULES.get((name, rank, nranks, count, topology, params, collective), build)
-
-
-def builder_params(name: str, call: Call, collective: str = "allreduce") -> tuple:
-    """The builder parameters of a call: the user's, plus the dtype's itemsize and whether rank
-    order must be kept, where the builder takes them."""
-    params = dict(call.params)
-    accepted = algorithms.get(name, collective).params
-    if "itemsize" in accepted:
-        params["itemsize"] = call.recv.itemsize
-    if "ordered" in accepted:
-        # an algorithm that keeps rank order only in some cases is told whether it must;
-        # it raises ValueError (identically on every rank, before any message) when it cannot
-        params["ordered"] = call.reducer is not None and not call.reducer.commutative
-    return tuple(sorted(params.items()))
 
 
 def resolve(call: Call, nranks: int, state: CommState | None = None,

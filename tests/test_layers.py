@@ -28,7 +28,7 @@ LAYERS = {
     # core: plain data and pure functions, MPI only where a helper waits or reads a buffer
     "errors": "core", "ops": "core", "partition": "core", "schedule": "core", "sizes": "core",
     "topology": "core", "verify": "core", "algorithms": "core", "_waiting": "core",
-    "_dlpack": "core", "_env": "core", "_lru": "core", "_shm_sizes": "core",
+    "_dlpack": "core", "_env": "core", "_lru": "core", "_schedules": "core", "_shm_sizes": "core",
     # the compiled twins (and the choice of form): they import nothing of the package, the
     # call path and shm hand them what they run
     "_form": "core", "_compiled": "core", "reproducible._exact": "core",
