@@ -121,6 +121,18 @@ class CallCache:
                     break
         entry.free()
 
+    def discard(self, key) -> None:
+        """Drop the entry under ``key`` now (freed, its indices updated), if there is one."""
+        entry = self.lru.pop(key)
+        if entry is not None:
+            self._drop(key, entry)
+
+    def discard_shape(self, key) -> None:
+        """Drop the shape under ``key`` now (freed, :data:`SHAPES` updated), if there is one."""
+        shape = self.shapes.pop(key)
+        if shape is not None:
+            self._drop_shape(key, shape)
+
     def clear(self) -> None:
         self.lru.clear()
         self.shapes.clear()

@@ -293,15 +293,13 @@ def forget(state, record: Record) -> None:
     for key, entry in list(calls.entries.items()):
         plan = getattr(entry, "plan", None)
         if isinstance(plan, Learner) and plan.record is record:
-            calls.lru.pop(key)
-            calls._drop(key, entry)
+            calls.discard(key)
     bucket, in_place, _, _, dtype, _ = record.key
-    for key, shape in list(calls.shapes.items()):
+    for key in list(calls.shapes.entries):
         # shape_key: (comm, op, algorithm, topology, dtype, count, in place, params)
         if key[2] == "auto" and key[6] == in_place and key[4].str == dtype \
                 and 1 << (max(key[4].itemsize * key[5], 1).bit_length() - 1) == bucket:
-            calls.shapes.pop(key)
-            calls._drop_shape(key, shape)
+            calls.discard_shape(key)
 
 
 def learned(comm) -> list[dict]:

@@ -122,3 +122,25 @@ def test_the_call_cache_frees_shapes_it_replaces_or_drops(monkeypatch):
     assert shapes_kept == {"b": shapes[2], "c": shapes[3]}
     cache.clear()
     assert _state.SHAPES == {} and len(freed) == 4
+
+
+def test_the_call_cache_discards_an_entry_or_a_shape_now(monkeypatch):
+    """discard/discard_shape (auto's learning drops its case's entries with them): the entry
+    is freed and no index names it; a key it does not hold is no error."""
+    from mpiallreduce import _state
+
+    for name in ("CALLS", "LAST", "SHAPES"):
+        monkeypatch.setattr(_state, name, {})
+    freed = []
+    cache = _state.CallCache(entries=4, nbytes=100)
+    entry, other, shape = _Entry(10, freed), _Entry(5, freed), _Entry(0, freed)
+    assert cache.put(("c", "s1", "r"), entry) and cache.put(("c", "s2", "r"), other)
+    cache.put_shape("k", shape)
+    cache.discard(("c", "s2", "r"))
+    assert freed == [other] and ("c", "s2", "r") not in _state.CALLS
+    assert _state.LAST["r"] is entry and cache.nbytes == 10
+    cache.discard_shape("k")
+    assert freed == [other, shape] and _state.SHAPES == {}
+    cache.discard(("c", "nothing", "x"))
+    cache.discard_shape("nothing")
+    assert freed == [other, shape] and len(cache.entries) == 1
