@@ -411,21 +411,19 @@ cdef object _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, dict para
     ``_state.SHAPES`` runs on the caller's memory (:func:`run_shape`): ``api._bind``'s first
     branch where the shape's run is compiled; its result, or None (``bind`` takes the call)."""
     cdef bint in_place = sendbuf is _IN_PLACE
-    cdef object shape, key, held
+    cdef object shape, key, held, like = recvbuf
     if recvbuf is None:
+        like = sendbuf  # (the result will be made like it)
         if in_place or not cnp.PyArray_CheckExact(sendbuf) \
                 or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>sendbuf) \
                 or cnp.PyArray_NBYTES(<cnp.ndarray>sendbuf) > _STAGE_BYTES:
             return None
-        key = (id(comm), id(op), algorithm, id(topology), dtype_of(sendbuf),
-               cnp.PyArray_SIZE(<cnp.ndarray>sendbuf), False,
-               tuple(params.items()) if params else ())
-    elif cnp.PyArray_CheckExact(recvbuf):
-        key = (id(comm), id(op), algorithm, id(topology), dtype_of(recvbuf),
-               cnp.PyArray_SIZE(<cnp.ndarray>recvbuf), in_place,
-               tuple(params.items()) if params else ())
-    else:
+    elif not cnp.PyArray_CheckExact(recvbuf):
         return None
+    # _plans.shape_key, written out: (comm, op, algorithm, topology, dtype, count, in place,
+    # parameters)
+    key = (id(comm), id(op), algorithm, id(topology), dtype_of(like),
+           cnp.PyArray_SIZE(<cnp.ndarray>like), in_place, tuple(params.items()) if params else ())
     try:
         shape = _SHAPES.get(key)
     except TypeError:  # a parameter value that cannot be hashed (bind says what it says)

@@ -158,6 +158,8 @@ class CommState:
     native_nonblocking: MPI.Intracomm | None = None
     #: reproducible vector sums' packed signatures and reused buffers (``reproducible``)
     vectors: dict = field(default_factory=dict)
+    #: auto's learning records on this communicator, by case (``learn.records``)
+    learned: dict = field(default_factory=dict)
     slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
     next_slot: int = 1
 

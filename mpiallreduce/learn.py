@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -49,9 +48,6 @@ from .executor import _PlanBase
 LEARNING = "learn"
 #: the calls that learn (blocking allreduce calls and plans; non-blocking ones use the rules).
 LEARNS = ("allreduce", "plan")
-
-_RECORDS: dict[int, dict] = {}  # id(CommState) -> case -> Record
-
 
 class Record:
     """One case's learning: its candidates, this rank's timings, the agreed choice."""
@@ -151,12 +147,8 @@ def case(call) -> tuple:
 
 
 def records(state) -> dict:
-    """The learning records of a communicator's state, by case (made on first use)."""
-    found = _RECORDS.get(id(state))
-    if found is None:
-        found = _RECORDS[id(state)] = {}
-        weakref.finalize(state, _RECORDS.pop, id(state), None)
-    return found
+    """The learning records of a communicator's state, by case (``CommState.learned``)."""
+    return state.learned
 
 
 def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, one_node) -> str:
