@@ -24,6 +24,9 @@ from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.exc cimport PyErr_Clear
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.long cimport PyLong_FromSize_t
+from cpython.object cimport PyObject_GenericGetDict
 
 from mpi4py import MPI
 
@@ -114,12 +117,20 @@ cdef object _reproducible_iallreduce = None
 cdef dict _SHAPES = None
 cdef Py_ssize_t _STAGE_BYTES = 0
 
+cdef enum:  # the entry points' numbers in a call's slot (``_plans.ALLREDUCE``, ...)
+    ALLREDUCE = 0
+    IALLREDUCE = 1
 
-def install(dict last, dict calls, call_key, plain_timeout, dict shapes, Py_ssize_t stage_bytes):
+
+def install(dict last, dict calls, call_key, plain_timeout, dict shapes, Py_ssize_t stage_bytes,
+            tuple kinds):
     """Hand this module the call cache (``_state.LAST``, ``_state.CALLS``, ``_state.SHAPES``)
     and the helpers of :mod:`._plans` it shares with the Python form (called once, by
-    ``_plans``)."""
+    ``_plans``). ``kinds``: ``_plans``' (ALLREDUCE, IALLREDUCE), which must be this module's."""
     global _LAST, _CALLS, _call_key, _plain_timeout, _SHAPES, _STAGE_BYTES
+    if kinds != (ALLREDUCE, IALLREDUCE):
+        raise ImportError(f"_plans numbers the entry points {kinds}, this build "
+                          f"{(ALLREDUCE, IALLREDUCE)}: rebuild the extension")
     _LAST, _CALLS, _call_key, _plain_timeout = last, calls, call_key, plain_timeout
     _SHAPES, _STAGE_BYTES = shapes, stage_bytes
 
@@ -138,8 +149,8 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     if reproducible:
         return _reproducible_allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
                                        timeout, params)
-    return _cached_call(None, _bind_allreduce, sendbuf, recvbuf, op, comm, algorithm, topology,
-                        check, timeout, params)
+    return _cached_call(ALLREDUCE, _bind_allreduce, sendbuf, recvbuf, op, comm, algorithm,
+                        topology, check, timeout, params)
 
 
 # -- the non-blocking entry points (twins of nonblocking.iallreduce, start and Request.wait) -----
@@ -164,6 +175,7 @@ cdef class RequestFields:
 
 
 cdef object _python_start = None
+cdef object _MISSING = object()
 cdef object _bind_iallreduce = None
 cdef list _DROPPED = None
 cdef object _tidy = None
@@ -185,7 +197,7 @@ def iallreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", t
                                         timeout, params)
     if _DROPPED:
         _tidy()
-    return _cached_call("iallreduce", _bind_iallreduce, sendbuf, recvbuf, op, comm, algorithm,
+    return _cached_call(IALLREDUCE, _bind_iallreduce, sendbuf, recvbuf, op, comm, algorithm,
                         topology, check, timeout, params)
 
 
@@ -193,15 +205,19 @@ def start(plan, timeout=None):
     """The compiled :func:`.nonblocking.start`: its branch for an shm plan of the small regime
     started again without deadline (runs whole now; the same complete request every start),
     with the checks of ``ShmPlan.run``; every other start is the Python function's."""
-    cdef object direct, done, node
+    cdef object direct, done, node, state
+    cdef dict fields
     if timeout is None:
-        direct = getattr(plan, "direct", None)
-        if type(direct) is SmallRun and plan.timeout is None and not plan._freed \
-                and not plan._broken and not plan._state.broken:
-            node = plan._node
-            done = plan._done
-            if node is not None and not node.closed and done is not None \
-                    and (<RequestFields>done)._result is plan.recvbuf:
+        # the plan's attributes read from its instance dict (a missing one: the Python start),
+        # which is cheaper here than a generic attribute lookup per field
+        fields = PyObject_GenericGetDict(plan, NULL)
+        direct = fields.get("direct")
+        if type(direct) is SmallRun and fields.get("timeout", _MISSING) is None \
+                and not fields.get("_freed", True) and not fields.get("_broken", True):
+            state, node, done = fields.get("_state"), fields.get("_node"), fields.get("_done")
+            if state is not None and not state.broken and node is not None \
+                    and not node.closed and isinstance(done, RequestFields) \
+                    and (<RequestFields>done)._result is fields.get("recvbuf", _MISSING):
                 (<SmallRun>direct).run(None)
                 return done
     return _python_start(plan, timeout)
@@ -235,7 +251,7 @@ def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
             and (<tuple>entry)[2] is op and dtype_of(recvbuf) is (<tuple>entry)[3] \
             and (<tuple>entry)[4] == self.handle and not self._params:
         try:
-            _cached_call(None, _bind_allreduce, sendbuf, recvbuf, op, (<tuple>entry)[5],
+            _cached_call(ALLREDUCE, _bind_allreduce, sendbuf, recvbuf, op, (<tuple>entry)[5],
                          (<tuple>entry)[6], (<tuple>entry)[7], (<tuple>entry)[8],
                          (<tuple>entry)[9], {})
         except _unviewable as agreed:
@@ -340,14 +356,14 @@ cdef object spec_of(spec, Py_ssize_t *count):
     return dtype
 
 
-def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
+def cached_call(Py_ssize_t kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
                 dict params):
     """The compiled :func:`._plans.cached_call`."""
     return _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
                         timeout, params)
 
 
-cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+cdef object _cached_call(Py_ssize_t kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
                          timeout, dict params):
     cdef object slot, entry, objects, direct
     cdef BoundFields e
@@ -358,7 +374,7 @@ cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topo
         kind_of_timeout = type(timeout)
         if kind_of_timeout is not int and kind_of_timeout is not float:
             timeout = _plain_timeout(timeout)
-    slot = id(recvbuf) if kind is None else (kind, id(recvbuf))
+    slot = PyLong_FromSize_t(<size_t><void *>recvbuf + kind)  # id(recvbuf) + kind
     entry = _LAST.get(slot)  # the entry last bound to recvbuf, verified object by object
     if entry is not None:
         e = <BoundFields?>entry
@@ -379,8 +395,7 @@ cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topo
                                          if cnp.PyArray_Check(sendbuf)
                                          and cnp.PyArray_Check(recvbuf)
                                          else sendbuf.shape == recvbuf.shape))) \
-                and (timeout is None or ((type(timeout) is int or type(timeout) is float)
-                                         and timeout > 0)):
+                and (timeout is None or positive_seconds(timeout)):
             if check and not e.fused:  # a fused entry's run checks the arguments itself
                 entry.agree(timeout)
             if timeout is None:
@@ -399,11 +414,19 @@ cdef object _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topo
                     direct(timeout)
                 return e.result
             return entry.run(timeout)
-    elif kind is None and timeout is None:
+    elif kind == ALLREDUCE and timeout is None:
         entry = _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, params)
         if entry is not None:
             return entry
     return bind(slot, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout, params)
+
+
+cdef inline bint positive_seconds(timeout) except -1:
+    """``timeout`` (not None) is a plain positive number of seconds (an int or a float, not a
+    bool: ``_waiting.check_timeout`` words the refusal of anything else)."""
+    if type(timeout) is float:
+        return PyFloat_AS_DOUBLE(timeout) > 0.0
+    return type(timeout) is int and timeout > 0
 
 
 cdef object _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, dict params):

@@ -202,6 +202,12 @@ def checks_itself(call: Call, state: CommState, learned: bool = True) -> bool:
 _WORLD = MPI.COMM_WORLD
 
 
+#: the entry points whose calls the call cache keeps, numbered: a call's slot is
+#: ``id(recvbuf) + kind``. Objects lie on 8-byte boundaries at least (CPython's allocator aligns
+#: them to 16), so the slots of one array under different kinds never coincide.
+ALLREDUCE, IALLREDUCE, REPRODUCIBLE = 0, 1, 2
+
+
 def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
                 params: dict):
     """Run a call through the call cache: the one call path of every entry point that keeps
@@ -214,17 +220,16 @@ def cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, che
     check, timeout, params)``'s: it checks and runs the call as a first one, and may keep it
     under :func:`call_key`.
 
-    ``kind``: None for a blocking allreduce, else the word that marks another entry point's
-    entries (``"iallreduce"``, ``"reproducible"``) in ``slot``, the key's third item:
-    ``id(recvbuf)`` or ``(kind, id(recvbuf))``, under which ``LAST`` holds the entry last bound
-    to ``recvbuf``.
+    ``kind``: the entry point's number (:data:`ALLREDUCE`, :data:`IALLREDUCE`,
+    :data:`REPRODUCIBLE`), which marks its entries in ``slot``, the key's third item:
+    ``id(recvbuf) + kind``, under which ``LAST`` holds the entry last bound to ``recvbuf``.
     """
     if comm is None:
         comm = _WORLD
     if timeout is not None and type(timeout) not in (int, float):
         timeout = plain_timeout(timeout)
     # kept flat: every lookup here shows in the cost of an 8-byte call
-    slot = id(recvbuf) if kind is None else (kind, id(recvbuf))
+    slot = id(recvbuf) + kind  # (an int: no tuple to build and hash)
     entry = LAST.get(slot)  # the entry last bound to recvbuf, verified object by object
     if entry is not None:
         objects = entry.objects
@@ -570,5 +575,6 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
 
 
 if _form.compiled is not None:  # the compiled twin of cached_call (same results, same errors)
-    _form.compiled.install(LAST, CALLS, call_key, plain_timeout, SHAPES, STAGE_BYTES)
+    _form.compiled.install(LAST, CALLS, call_key, plain_timeout, SHAPES, STAGE_BYTES,
+                           (ALLREDUCE, IALLREDUCE))
     cached_call = _form.compiled.cached_call  # noqa: F811

@@ -76,7 +76,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     if reproducible:
         return _reproducible.allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check,
                                        timeout, params)
-    return _plans.cached_call(None, _bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+    return _plans.cached_call(_plans.ALLREDUCE, _bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
                               timeout, params)
 
 

@@ -91,7 +91,7 @@ def rows(comm, mar, MPI, np):
         ("iallreduce(x, out).wait() / mar.allreduce(x, out)", 1.1,
          lambda: mar.iallreduce(x, out).wait(), lambda: mar.allreduce(x, out)),
         ("start(plan).wait() / plan.run()", 1.1,
-         lambda: mar.start(plan).wait(), plan.run),
+         lambda: mar.start(plan).wait(), lambda: plan.run()),  # (each row a lambda's call)
         ("timeout= / none, shm (auto)", 1.1,
          lambda: mar.allreduce(timed_x, timed_out, timeout=60.0),
          lambda: mar.allreduce(timed_x, timed_out)),

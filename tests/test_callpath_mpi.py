@@ -612,7 +612,9 @@ def test_every_entry_point_finds_its_cached_call_alike(comm, entry_point, timeou
     assert len(entries) == 1
     ((key, entry),) = entries.items()
     assert key == _plans.call_key(key[2], comm, x, MPI.SUM, "knomial", None, {"k": 2})
-    assert key[2] == (id(out) if entry_point == "allreduce" else (entry_point, id(out)))
+    kind = {"allreduce": _plans.ALLREDUCE, "iallreduce": _plans.IALLREDUCE,
+            "reproducible": _plans.REPRODUCIBLE}[entry_point]
+    assert key[2] == id(out) + kind
     assert _state.LAST[key[2]] is entry
     for seed in (1, 2, 3):
         x[:] = contribution(comm, 9, "float64", seed=seed)
@@ -727,3 +729,18 @@ def test_auto_in_place_on_some_ranks_only_raises_on_every_rank(comm):
             mar.allreduce(x, comm=comm)
     assert "auto's inputs" not in str(info.value) and "saturates" not in str(info.value)
     assert_matches_native(comm, x, mar.allreduce(x, comm=comm), MPI.SUM)
+
+
+def test_one_array_bound_by_every_entry_point_keeps_an_entry_per_entry_point(comm):
+    # a call's slot is id(recvbuf) + its entry point's number: the same arrays passed to
+    # allreduce, iallreduce and reproducible=True are three entries, each found again
+    x = contribution(comm, 5, "float64")
+    out = np.empty_like(x)
+    for _ in range(3):
+        for entry_point, call in KEPT.items():
+            out.fill(np.nan)
+            assert call(x, out, comm=comm, algorithm="ring") is out
+            assert_matches_native(comm, x, out, MPI.SUM)
+    slots = sorted(key[2] for key in _state.existing(comm).calls.entries)
+    assert slots == [id(out) + kind for kind in
+                     (_plans.ALLREDUCE, _plans.IALLREDUCE, _plans.REPRODUCIBLE)]

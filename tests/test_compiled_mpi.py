@@ -306,3 +306,47 @@ def test_the_non_blocking_entry_points_are_the_selected_form():
     else:
         assert mar.iallreduce.__module__ == "mpiallreduce.api"
         assert mar.start.__module__ == "mpiallreduce.nonblocking.calls"
+
+
+def test_the_compiled_start_runs_a_small_shm_plan_itself_and_hands_every_other_start_on():
+    """The compiled ``start`` runs a small shm plan without deadline itself (reading the plan's
+    fields from its instance dict) once the first start made its complete request, and hands
+    the Python ``start`` a plan with a timeout of its own, or one whose communicator broke (which refuses it: ValueError on every rank)."""
+    comm = MPI.COMM_WORLD
+    if _form.compiled is None or comm.size < 2:
+        pytest.skip("the compiled start's own branch runs where the compiled form builds "
+                    "SmallRun (two ranks at least)")  # (uniform across ranks)
+    from mpiallreduce import _state
+    from mpiallreduce.nonblocking import calls
+
+    handed, python_start = [], calls.start.__wrapped__
+
+    def spy(plan, timeout=None):
+        handed.append(plan)
+        return python_start(plan, timeout)
+
+    x, out = np.full(1, 1.0 + comm.rank), np.empty(1)
+    private = comm.Dup()
+    bound = mar.plan(x, out, comm=private, algorithm="shm")
+    timed = mar.plan(x, np.empty(1), comm=private, algorithm="shm", timeout=30.0)
+    _form.compiled.install_nonblocking(spy, calls._bind, calls._DROPPED, calls._tidy)
+    try:
+        for _ in range(3):
+            out[0] = np.nan
+            assert mar.start(bound).wait() is out and out[0] == comm.size * (comm.size + 1) / 2
+        mine = list(handed)
+        mar.start(timed).wait()
+        took_timed = handed[-1:] == [timed]
+        _state.existing(private).broken = "a test marked it"
+        with pytest.raises(ValueError, match="a test marked it"):
+            mar.start(bound)
+        took_broken = handed[-1] is bound
+    finally:
+        _form.compiled.install_nonblocking(python_start, calls._bind, calls._DROPPED,
+                                           calls._tidy)
+        _state.existing(private).broken = None
+        timed.free()
+        bound.free()
+        private.Free()
+    # (the first start makes the plan's complete request: the Python start's)
+    assert mine == [bound] and took_timed and took_broken, (mine, took_timed, took_broken)

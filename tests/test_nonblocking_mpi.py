@@ -8,7 +8,7 @@ from conftest import assert_matches_native, contribution
 from mpi4py import MPI
 
 import mpiallreduce as mar
-from mpiallreduce import _state, nonblocking
+from mpiallreduce import _plans, _state, nonblocking
 
 pytestmark = pytest.mark.mpi
 
@@ -285,7 +285,7 @@ def test_a_repeated_iallreduce_with_the_same_arrays_is_right_every_time(comm, al
         mar.iallreduce(MPI.IN_PLACE, buf, op=mar.AVG, comm=comm, algorithm=algorithm).wait()
         assert_matches_native(comm, x, buf, MPI.SUM, average=True)
     cached = [key for key in _state.CALLS
-              if key[0] == id(comm) and key[2] == ("iallreduce", id(out))]
+              if key[0] == id(comm) and key[2] == id(out) + _plans.IALLREDUCE]
     assert len(cached) == 1
 
 
@@ -316,7 +316,7 @@ def test_a_cached_native_iallreduce_hands_its_work_from_request_to_request(comm)
     x = contribution(comm, 50, "float64")
     out = np.empty_like(x)
     mar.iallreduce(x, out, comm=comm, algorithm="native").wait()
-    entry = _state.LAST[("iallreduce", id(out))]
+    entry = _state.LAST[id(out) + _plans.IALLREDUCE]
     work = entry.work
     assert work is not None
     for seed in (1, 2):

@@ -41,7 +41,7 @@ def iallreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
     """
     if _DROPPED:
         _tidy()
-    return _plans.cached_call("iallreduce", _bind, sendbuf, recvbuf, op, comm, algorithm,
+    return _plans.cached_call(_plans.IALLREDUCE, _bind, sendbuf, recvbuf, op, comm, algorithm,
                               topology, check, timeout, params)
 
 

@@ -107,7 +107,7 @@ def allreduce(sendbuf, recvbuf, op, comm, algorithm, topology, check_args, timeo
     parameters) skips the local checks and the binding, as plain calls do: both go through
     :func:`._plans.cached_call`.
     """
-    return _plans.cached_call("reproducible", _bind, sendbuf, recvbuf, op, comm, algorithm,
+    return _plans.cached_call(_plans.REPRODUCIBLE, _bind, sendbuf, recvbuf, op, comm, algorithm,
                               topology, check_args, timeout, params)
 
 

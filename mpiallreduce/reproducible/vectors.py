@@ -102,7 +102,7 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
         _encode(0 if component.special() else component.total, part[:EXACT_WORDS])
         part[EXACT_WORDS:] = component.flags()
     # the words' integer SUM, a plain allreduce (no check: agreed above) through the call cache
-    _plans.cached_call(None, _bind_words, MPI.IN_PLACE, words, MPI.SUM, comm, algorithm, None,
+    _plans.cached_call(_plans.ALLREDUCE, _bind_words, MPI.IN_PLACE, words, MPI.SUM, comm, algorithm, None,
                        False, None, {})
     nranks = comm.Get_size()
     results = []
