@@ -23,7 +23,7 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.exc cimport PyErr_Clear
+from cpython.exc cimport PyErr_CheckSignals, PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_FromSize_t
 from cpython.object cimport PyObject_GenericGetDict
@@ -39,6 +39,7 @@ cdef extern from "<time.h>" nogil:
         time_t tv_sec
         long tv_nsec
     int clock_gettime(int clk_id, timespec *tp)
+    int nanosleep(const timespec *req, timespec *rem)
     int CLOCK_MONOTONIC
 
 cdef extern from *:
@@ -70,6 +71,67 @@ cdef inline double monotonic() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+# -- the one wait loop (twin of _waiting.wait_until) ---------------------------------------------
+
+cdef Py_ssize_t _BUSY_TESTS = 64
+cdef double _SPIN_SECONDS = 2e-3
+
+
+def install_waiting(Py_ssize_t busy_tests, double spin_seconds):
+    """Hand :func:`wait_until` the defaults of ``_waiting`` (called once, by ``_waiting``)."""
+    global _BUSY_TESTS, _SPIN_SECONDS
+    _BUSY_TESTS, _SPIN_SECONDS = busy_tests, spin_seconds
+
+
+cdef int pause_for(double seconds) except -1:
+    """Sleep ``seconds`` without the GIL, as ``time.sleep`` does, then run the signal handlers
+    (a Ctrl-C during a wait raises, as it does in the Python form)."""
+    cdef timespec ts
+    ts.tv_sec = <time_t>seconds
+    ts.tv_nsec = <long>((seconds - ts.tv_sec) * 1e9)
+    with nogil:
+        nanosleep(&ts, NULL)
+    return PyErr_CheckSignals()
+
+
+def wait_until(ready, deadline, on_timeout=None, *, spin=None, yield_seconds=None):
+    """The compiled :func:`._waiting.wait_until` (its docstring says what it does): the same
+    calls of ``ready()`` at the same pace, with no generator or Python frame of its own between
+    them (a poll of MPI requests, ``partial(Testall, requests)``, runs no bytecode at all)."""
+    cdef Py_ssize_t i, spins = _BUSY_TESTS if spin is None else spin
+    cdef double yielding = _SPIN_SECONDS if yield_seconds is None else yield_seconds
+    cdef bint forever = deadline is None
+    cdef double limit = 0.0 if forever else deadline
+    cdef double now, until, pause = 5e-5
+    for i in range(spins):
+        if ready():
+            return True
+    now = monotonic()
+    if yielding > 0:
+        until = now + yielding
+        if not forever and limit < until:
+            until = limit
+        while now < until:
+            with nogil:
+                sched_yield()
+            PyErr_CheckSignals()
+            if ready():
+                return True
+            now = monotonic()
+    while forever or now <= limit:
+        pause_for(pause)
+        pause = min(pause * 2, 1e-3)
+        if ready():
+            return True
+        now = monotonic()
+    if ready():
+        return True
+    if on_timeout is not None:
+        on_timeout()
+        raise AssertionError("on_timeout() must raise")
+    return False
 
 
 # -- the call path (twin of _plans.cached_call) -----------------------------------------------------

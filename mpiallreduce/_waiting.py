@@ -14,7 +14,8 @@ stable):
   ``on_timeout`` it returns False. Pass ``spin=0`` where ranks outnumber cores (a spinning
   rank holds the core the rank it waits for needs): it then yields at once.
 
-``poll`` tests MPI requests with it; ``wait_or_fail`` turns a missed deadline into the caller's
+In the compiled form ``wait_until`` is its twin, ``_compiled.wait_until`` (the same calls of
+``ready`` at the same pace, no generator between them). ``poll`` tests MPI requests with it; ``wait_or_fail`` turns a missed deadline into the caller's
 failure (the communicator marked unusable, CollectiveTimeout raised); ``meet`` is the one
 non-blocking barrier before a collective set-up step. ``patience`` is the pace of
 ``wait_until`` as a generator (for loops that do more than one test per round).
@@ -28,9 +29,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import NoReturn
 
 from mpi4py import MPI
+
+from . import _form
 
 
 def check_timeout(timeout) -> None:
@@ -111,8 +115,10 @@ def poll(requests, deadline: float | None) -> bool:
     Tests :data:`BUSY_TESTS` times back to back (a short collective completes within a few
     tests), then at the pace of :func:`patience` (:func:`wait_until`).
     """
-    testall = MPI.Request.Testall
-    return wait_until(lambda: testall(requests), deadline)
+    return wait_until(partial(_TESTALL, requests), deadline)
+
+
+_TESTALL = MPI.Request.Testall
 
 
 def wait_or_fail(requests, deadline: float, fail, reason) -> None:
@@ -172,3 +178,10 @@ def unanswered(step: int, not_sent, not_received, call: str = "this call",
     return (f"{'; '.join(parts)} ({who} has not made {call}{', or is slow' if slow else ''}, or "
             f"waits itself for a rank that has not; or ranks run plans or calls on this "
             f"communicator in different orders)")
+
+
+if _form.compiled is not None:  # the compiled twin of wait_until (same calls, same pace)
+    _form.compiled.install_waiting(BUSY_TESTS, SPIN_SECONDS)
+    _form.compiled.wait_until.__doc__ = wait_until.__doc__
+    _form.compiled.wait_until.__wrapped__ = wait_until
+    wait_until = _form.compiled.wait_until  # noqa: F811
