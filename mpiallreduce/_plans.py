@@ -334,7 +334,8 @@ class CallEntry(BoundCall):
     ``direct(*args)``: the native call itself, with the MPI datatype given so that mpi4py need
     not infer it, when nothing else is needed (no AVG division, one piece), a schedule's flat
     calls, or an shm plan's run; else None and the plan runs. ``timed(timeout)``: an shm
-    small-regime run with a timeout, else None.
+    small-regime run with a timeout, or a schedule's flat run with one (``Plan.run_timed``),
+    else None.
     """
 
     __slots__ = ("plan", "run")
@@ -360,6 +361,8 @@ class CallEntry(BoundCall):
             # a schedule: its run without deadline, the flat calls (the cache drops the entry
             # before the plan is freed or its communicator breaks, so nothing needs checking)
             self.direct, self.args = _call_each, (plan._fast,)
+            if plan._fast_timed is not None:  # and with a deadline, its flat polled steps
+                self.timed = plan.run_timed
 
     def free(self) -> None:
         self.plan.free()

@@ -35,11 +35,14 @@ from ._waiting import (  # noqa: F401 - as the package imports them from here
     poll,
     unanswered,
     wait_or_fail,
+    wait_until,
 )
 from .errors import CollectiveTimeout
 from .ops import SCRATCH_COMBINE, Reducer
 from .partition import segments
 from .schedule import COPY, Step
+
+_TESTALL = MPI.Request.Testall
 
 #: tags per plan: a step's tag is ``tag_base + index % STEP_TAGS``. Each plan gets its own block
 #: of tags (its *slot*, see :mod:`._state`), so the messages of two plans never match each other;
@@ -51,16 +54,13 @@ STEP_TAGS = 4096
 #: this size, posted in order in the same step (MPI's non-overtaking rule keeps them matched).
 MAX_MESSAGE = 1 << 30
 
-
 #: requests of a step that a run without deadline starts and waits one by one (more: Startall).
 SINGLE_REQUESTS = 4
-
 
 #: communicators of timed-out plans and of communicators freed after a timeout, deliberately
 #: never freed: their abandoned messages would otherwise match a later communicator that reuses
 #: their context id (MPICH reuses freed context ids at once).
 ABANDONED: list = []
-
 
 def _release(requests: list, owned_comm, broken: list) -> None:
     """Free persistent requests (and a communicator the plan owns) unless MPI is finalized.
@@ -324,7 +324,8 @@ class Plan(_PlanBase):
                 self._posted, self._first_requests = len(calls), requests
             calls += pending
             if timed:
-                calls.append(partial(self._poll_step, requests, bound))
+                calls.append(partial(self._poll_step, partial(_TESTALL, requests), requests,
+                                     bound))
             elif posted:
                 calls += phase("wait", bound.index, [partial(waitall, requests)])
             elif len(requests) <= SINGLE_REQUESTS:
@@ -441,16 +442,10 @@ class Plan(_PlanBase):
             for call in fast:
                 call()
             return self.recvbuf
-        if timeout is None and self.timeout is None and not self._freed and not self._broken \
-                and self._in_flight is None and (state is None or not state.broken):
-            deadline = None
-        else:
-            timeout, deadline = self._start(timeout)
-            if deadline is not None and self._fast_timed is not None:  # flat, polled steps
-                self._deadline, self._timeout = deadline, timeout
-                for call in self._fast_timed:
-                    call()
-                return self.recvbuf
+        timeout, deadline = self._start(timeout)
+        if deadline is not None and self._fast_timed is not None:  # flat, polled steps
+            self.run_timed(timeout)
+            return self.recvbuf
         waitall = MPI.Request.Waitall
         for requests, bound in self.steps():
             if deadline is None:
@@ -458,6 +453,14 @@ class Plan(_PlanBase):
             elif not poll(requests, deadline):
                 self.expire(requests, bound, timeout)
         return self.recvbuf
+
+    def run_timed(self, timeout: float) -> None:
+        """Run once with a deadline ``timeout`` s from now, ``_fast_timed`` (persistent plans),
+        without :meth:`run`'s checks: :meth:`run`'s, and the call cache's (``CallEntry.timed``:
+        it checks ``timeout``, and drops its entries before their plans can be refused)."""
+        self._deadline, self._timeout = time.monotonic() + timeout, timeout
+        for call in self._fast_timed:
+            call()
 
     def lean_program(self) -> tuple:
         """The split of a run without deadline (untraced, one step at least; not freed, broken
@@ -516,7 +519,8 @@ class Plan(_PlanBase):
                 for call in before:
                     call()
                 if requests is None:
-                    requests = self._post(bound)
+                    requests = []
+                    self._post_into(requests, bound)
                 elif len(requests) <= SINGLE_REQUESTS:
                     for request in requests:
                         request.Start()
@@ -550,12 +554,6 @@ class Plan(_PlanBase):
         self._stepwise = (head, program, tail)
         return self._stepwise
 
-    def _post(self, bound: _BoundStep) -> list:
-        """Post a step afresh (receives first) and return its requests."""
-        requests: list = []
-        self._post_into(requests, bound)
-        return requests
-
     def stalled(self, requests, bound: _BoundStep | None) -> tuple[int, list, list]:
         """Where a run in flight waits: ``(step index, peers whose messages of that step have
         not arrived, peers that have not posted the receive for this rank's)``.
@@ -574,9 +572,9 @@ class Plan(_PlanBase):
                                if not request.Get_status()} - {*not_sent})
         return bound.index, not_sent, not_received
 
-    def _poll_step(self, requests, bound: _BoundStep) -> None:
-        """A step's wait in ``_fast_timed``: poll to the run's deadline, else :meth:`expire`."""
-        if not poll(requests, self._deadline):
+    def _poll_step(self, tested, requests, bound: _BoundStep) -> None:
+        """A step's wait in ``_fast_timed``: ``tested()`` to the deadline, else :meth:`expire`."""
+        if not wait_until(tested, self._deadline):
             self.expire(requests, bound, self._timeout)
 
     def expire(self, requests, bound: _BoundStep | None, timeout: float) -> None:

@@ -226,6 +226,28 @@ def test_a_skipped_call_times_out_inside_the_schedule(algorithm, monkeypatch):
     comm.Free()
 
 
+@pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])
+def test_a_skipped_repeated_call_times_out_in_its_cached_timed_run(algorithm):
+    # the same arrays with a timeout: the cache's entry runs the plan's flat polled program
+    # (Plan.run_timed, no run() checks); a skipped third call still times out in its step
+    comm = _throwaway_comm(algorithm)
+    x = contribution(comm, COUNT, "float64")
+    out = np.empty_like(x)
+    for _ in range(2):
+        mar.allreduce(x, out, comm=comm, algorithm=algorithm, check=False, timeout=60.0)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    entry = _state.LAST[id(out)]
+    assert entry.timed == entry.plan.run_timed
+    messages = _skip_or_time_out(
+        comm, lambda: mar.allreduce(x, out, comm=comm, algorithm=algorithm, check=False,
+                                    timeout=TIMEOUT))
+    waits = _waits(_schedule_of(comm, algorithm, COUNT))
+    _assert_names_what_it_waits_for(messages, waits, f"{algorithm} allreduce")
+    _drain_messages(comm)
+    _assert_refused_later(comm)
+    comm.Free()
+
+
 def test_a_schedules_message_in_full():
     """One message word for word: rank 1 of a ring waits for rank 0's first message."""
     comm = _throwaway_comm()
