@@ -8,7 +8,8 @@ barrier, and add the other rank's freshly written half to a private array (``pee
 same add on two private arrays (``private``): best of a block of rounds, three blocks in a row,
 64 KiB. ``peer - private`` per byte is the cross-core transfer the model's ``shm_peer`` stands
 for. It also times ``shm`` (best of its calls) at 8 and 64 KiB out of place: the small
-regime's time per byte, which reads the peer's slot the same way. One line per job, then the
+regime's time per byte, which reads the peer's slot the same way, and the best call of a few
+point-to-point algorithms at 64 KiB. One line per job, then the
 jobs' transfer costs sorted and split at their widest gap: where the jobs fall into two states,
 a calibration taken in one state predicts a bench in the other with the wrong ``shm_peer``.
 Best-of timing leaves other jobs' scheduler slices out; ``uptime`` heads the output.
@@ -31,6 +32,9 @@ PROBE_BYTES = 64 << 10
 ROUNDS, BLOCKS = 100, 3
 #: shm's small-regime sizes whose best times give its time per byte
 SHM_SIZES = (8 << 10, 64 << 10)
+#: point-to-point algorithms also timed (best call) at the larger size: whether the state
+#: moves them too, and by how much
+OTHERS = ("native", "ring", "recursive_doubling")
 
 
 def probe() -> None:
@@ -64,22 +68,25 @@ def probe() -> None:
                            for name, seconds in best.items()})
     finally:
         window.Free()
-    shm = {}
-    for nbytes in SHM_SIZES:
+
+    def best_call(algorithm: str, nbytes: int, calls: int = 400) -> float:
         x = np.ones(nbytes // 4, np.float32)
         y = np.empty_like(x)
         for _ in range(50):
-            mar.allreduce(x, y, comm=comm, algorithm="shm")
+            mar.allreduce(x, y, comm=comm, algorithm=algorithm)
         comm.Barrier()
         best = float("inf")
-        for _ in range(400):
+        for _ in range(calls):
             start = time.perf_counter()
-            mar.allreduce(x, y, comm=comm, algorithm="shm")
+            mar.allreduce(x, y, comm=comm, algorithm=algorithm)
             best = min(best, time.perf_counter() - start)
-        shm[nbytes] = comm.allreduce(best, MPI.MAX)
+        return comm.allreduce(best, MPI.MAX)
+
+    shm = {nbytes: best_call("shm", nbytes) for nbytes in SHM_SIZES}
+    others = {name: best_call(name, SHM_SIZES[1], 200) for name in OTHERS}
     if rank == 0:
         slope = (shm[SHM_SIZES[1]] - shm[SHM_SIZES[0]]) / (SHM_SIZES[1] - SHM_SIZES[0])
-        print(json.dumps({"blocks": blocks, "shm_s_per_byte": slope,
+        print(json.dumps({"blocks": blocks, "shm_s_per_byte": slope, "at_64k_s": others,
                           "load": os.getloadavg()[0]}), flush=True)
 
 
@@ -130,7 +137,8 @@ def main(argv=None) -> int:
            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {uptime}")
-    print("# job  transfer by block (ns/B)        private (ns/B)  shm 8-64 KiB (ns/B)  load")
+    print("# job  transfer by block (ns/B)        private (ns/B)  shm 8-64 KiB (ns/B)  "
+          + "  ".join(f"{name[:9]:>9}" for name in OTHERS) + " at 64 KiB (us)  load")
     jobs = []
     for index in range(opts.jobs):
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
@@ -140,7 +148,9 @@ def main(argv=None) -> int:
         by_block = " ".join(f"{(b['peer'] - b['private']) * 1e9:6.3f}" for b in job["blocks"])
         private = min(b["private"] for b in job["blocks"]) * 1e9
         print(f"  {index:>3}  {by_block:<30} {private:>14.3f} "
-              f"{job['shm_s_per_byte'] * 1e9:>20.3f} {job['load']:>5.1f}", flush=True)
+              f"{job['shm_s_per_byte'] * 1e9:>20.3f}  "
+              + "  ".join(f"{job['at_64k_s'][name] * 1e6:>9.1f}" for name in OTHERS)
+              + f" {job['load']:>19.1f}", flush=True)
     print("\n".join(summary(jobs)))
     return 0
 
