@@ -20,7 +20,11 @@ no model can be held to it; the summary gives the shares over all rows and over 
 The bench measures every size's rounds within seconds, so a slow spell of the machine moves
 every algorithm of a size together; the second summary compares each algorithm's time
 relative to native measured in the same rounds (the bench's ``vs_native``) with the model's
-ratio, which such a common factor cancels.
+ratio, which such a common factor cancels. The last summary (``as used``) judges the model's
+ratios between algorithms and its pick (issue 38, item 3); with ``--fit`` (terms fitted on
+another run) the same summary follows with that run's own measurements in the model's place
+(``replay of the --fit run``): how far the two jobs agree, which the held-out figures are read
+against.
 
 Runs with more ranks than this machine has cores (``--cores``, default: the cores this process
 may run on) are not predicted: the model has no core-sharing term
@@ -213,7 +217,7 @@ def relative_summary(records: list[dict]) -> list[str]:
 RATIO_BAND, PICK = 0.25, 0.10
 
 
-def as_used(records: list[dict]) -> tuple[list[str], dict]:
+def as_used(records: list[dict], title: str = "as used") -> tuple[list[str], dict]:
     """The model judged as it is used, per case and mode and over all: (lines, figures).
 
     Ratios: for every (case, mode, size), each algorithm's time over the measured fastest
@@ -221,7 +225,8 @@ def as_used(records: list[dict]) -> tuple[list[str], dict]:
     when the predicted ratio is within +-RATIO_BAND of the measured one (the fastest itself is
     not counted: its ratio is 1 both ways). Pick: the model's fastest of the algorithms
     measured at that size takes at most (1 + PICK) times the measured fastest's time. ``auto``
-    rows are left out (they are one of the others); so are refused rows.
+    rows are left out (they are one of the others); so are refused rows. ``title`` starts
+    every line.
     """
     groups: dict = {}
     for r in records:
@@ -244,18 +249,39 @@ def as_used(records: list[dict]) -> tuple[list[str], dict]:
             counts[1] += 1
         counts[2] += pick["measured_us"] <= (1 + PICK) * best["measured_us"]
         counts[3] += 1
-    lines = [f"# as used: {'ranks':>5} {'mode':>4} {'ratios within +-25%':>22} "
+    lines = [f"# {title}: {'ranks':>5} {'mode':>4} {'ratios within +-25%':>22} "
              f"{'pick within 10%':>18}"]
     total = [0, 0, 0, 0]
     for (case, mode), counts in tally.items():
         total = [t + c for t, c in zip(total, counts)]
-        lines.append(f"# as used: {case:>5} {mode:>4} {_share(*counts[:2]):>22} "
+        lines.append(f"# {title}: {case:>5} {mode:>4} {_share(*counts[:2]):>22} "
                      f"{_share(*counts[2:]):>18}")
-    lines.append(f"# as used: {'all':>5} {'':>4} {_share(*total[:2]):>22} "
+    lines.append(f"# {title}: {'all':>5} {'':>4} {_share(*total[:2]):>22} "
                  f"{_share(*total[2:]):>18}")
     figures = {"ratios": total[0] / total[1] if total[1] else None,
                "picks": total[2] / total[3] if total[3] else None}
     return lines, figures
+
+
+#: the title of :func:`replayed`'s summary
+REPLAY = "replay of the --fit run"
+
+
+def replayed(records: list[dict], reference: dict) -> list[dict]:
+    """``records`` with each prediction replaced by what another run (``reference``, as
+    :func:`load_measured` returns it) measured for the same case, mode, size and algorithm
+    (None where it has no such row).
+
+    :func:`as_used` over them judges that run's measurements as if they were the model: how
+    far two jobs of this machine agree with each other on the ratios and the picks. A model
+    fitted on one run and judged on another is held to the same jobs, so this is the reference
+    its held-out figures are read against (not a strict bound: a model of the jobs' mean could
+    do somewhat better than one job's replay, and a model of a state neither run was in, worse).
+    """
+    measured = {(case, mode, row["size"], row["algorithm"]): row["avg_us"]
+                for (case, mode), rows in reference.items() for row in rows}
+    return [{**r, "predicted_us": measured.get((r["case"], r["mode"], r["size"],
+                                                r["algorithm"]))} for r in records]
 
 
 #: shm's small regime at 2 ranks, where its time grows with the bytes read from the peer's slot
@@ -439,8 +465,10 @@ def main(argv=None, out=None) -> int:
     if opts.calibrate:
         machine = calibrate(opts.calibrate)
     largest = None if opts.max_size is None else parse_size(opts.max_size)
+    reference = None
     if opts.fit:
-        machine = fitted(machine, keep_sizes(load_measured(opts.fit), largest))
+        reference = keep_sizes(load_measured(opts.fit), largest)
+        machine = fitted(machine, reference)
     if opts.measured:
         try:
             measured = load_measured(opts.measured)
@@ -489,6 +517,8 @@ def main(argv=None, out=None) -> int:
     if len(relative) > 1:
         print("\n".join(relative), file=out)
     print("\n".join(as_used(records)[0] + shm_slopes(records)), file=out)
+    if reference is not None:  # the other run itself as the model: how far two jobs agree
+        print("\n".join(as_used(replayed(records, reference), REPLAY)[0]), file=out)
     if opts.plot:
         plot(records, opts.plot)
         print(f"# wrote {opts.plot}", file=out)

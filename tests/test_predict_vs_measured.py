@@ -1,5 +1,6 @@
 """scripts/predict_vs_measured.py: --max-size keeps the judged (and fitted) rows to a size, and
-the per-job slope of shm's time per byte (issue 38, item 3)."""
+the per-job slope of shm's time per byte and the --fit run replayed as the model (issue 38,
+item 3)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from mpiallreduce.model import predict
+from mpiallreduce.model import DEFAULT_MACHINE, predict
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,37 @@ def test_keep_sizes_and_no_slope_without_two_shm_sizes(script):
     records = [{"case": "2", "mode": "out", "algorithm": "shm", "size": 16 << 10,
                 "measured_us": 5.0, "predicted_us": 4.0}]
     assert script.shm_slopes(records) == []
+
+
+def test_the_fit_run_replayed_as_the_model(script, tmp_path):
+    """With --fit, the fitted run's own measurements are judged as if they were the model (the
+    agreement of two jobs, which held-out figures are read against); a row the other run
+    lacks is not compared."""
+    judged = {"cases": {"2": [{"size": 8, "algorithm": "native", "avg_us": 10.0},
+                              {"size": 8, "algorithm": "ring", "avg_us": 20.0},
+                              {"size": 8, "algorithm": "tree", "avg_us": 40.0},
+                              {"size": 16, "algorithm": "native", "avg_us": 10.0},
+                              {"size": 16, "algorithm": "ring", "avg_us": 30.0}]}}
+    other = {"cases": {"2": [{"size": 8, "algorithm": "native", "avg_us": 1.0},
+                             {"size": 8, "algorithm": "ring", "avg_us": 2.2},   # 2.2 vs 2: in
+                             {"size": 8, "algorithm": "tree", "avg_us": 2.0},   # 2 vs 4: out
+                             {"size": 16, "algorithm": "native", "avg_us": 5.0}]}}  # no ring
+    records = script.compare(script.load_measured([_write(tmp_path / "j.json", judged)]),
+                             DEFAULT_MACHINE, 2)
+    replay = script.replayed(records, script.load_measured([_write(tmp_path / "o.json", other)]))
+    assert [r["predicted_us"] for r in replay] == [1.0, 2.2, 2.0, 5.0, None]
+    lines, figures = script.as_used(replay, script.REPLAY)
+    assert figures == {"ratios": 1 / 2, "picks": 1.0}  # 16 B: one row compared, no group
+    assert all(line.startswith(f"# {script.REPLAY}:") for line in lines)
+
+    out = io.StringIO()
+    assert script.main(["--measured", str(tmp_path / "j.json"), "--fit", str(tmp_path / "o.json"),
+                        "--cores", "2"], out=out) == 0
+    replay_lines = [line for line in out.getvalue().splitlines()
+                    if line.startswith(f"# {script.REPLAY}:")]
+    assert replay_lines[-1].split()[-4:] == ["1/2", "(50%)", "1/1", "(100%)"]
+
+
+def _write(path, data) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
