@@ -623,6 +623,14 @@ cdef inline void combine(real *out, char **slots, Py_ssize_t count, Py_ssize_t n
         out[i] = total
 
 
+cdef class NodeFields:
+    """The fields of ``shm.node.Node`` that every small-regime run reads and writes, as C
+    members (the compiled form's ``Node`` derives from this class): ``epoch``, the last epoch
+    claimed, and ``finished``, the last one run to its end on this rank (``Node`` says more)."""
+
+    cdef public int64_t epoch, finished
+
+
 cdef class SmallRun:
     """The small regime's run of one shm plan, with or without a timeout (``timed``):
     the compiled ``direct``/``_timed`` of the Python form.
@@ -633,7 +641,9 @@ cdef class SmallRun:
     ``(load, reduce)`` per parity, the plan's ``_arrive`` and ``_mismatch``.
     """
 
-    cdef object node, arrive, mismatch, label, signatures, programs, keep, written, sync, words
+    cdef object node, arrive, mismatch, label, signatures, programs, keep, sync, words
+    cdef NodeFields fields
+    cdef list written
     cdef int64_t *header
     cdef int64_t *peers[64]
     cdef int64_t *digests[2][64]
@@ -654,6 +664,7 @@ cdef class SmallRun:
         the cores (``node.spin`` is 0) the wait yields at once."""
         cdef Py_ssize_t q, parity
         self.node, self.arrive, self.mismatch, self.label = node, arrive, mismatch, label
+        self.fields = <NodeFields?>node
         self.timed = timed
         self.nranks, self.rank = node.size, node.rank
         if self.nranks > 64:
@@ -708,16 +719,17 @@ cdef class SmallRun:
         same size and element type; they may be one array: in place). Only where
         :attr:`takes_pointers`; the caller checks the memory (:func:`run_shape`)."""
         cdef object node = self.node
+        cdef NodeFields fields = self.fields
         cdef int64_t epoch, target
         cdef Py_ssize_t parity, q
         cdef double deadline = 0.0
         cdef bint arrived
         if self.timed:
             deadline = monotonic() + timeout
-        epoch = node.epoch + 1
-        node.epoch = epoch
+        epoch = fields.epoch + 1
+        fields.epoch = epoch
         try:
-            if node.finished != epoch - 1:
+            if fields.finished != epoch - 1:
                 node.turn(epoch, deadline if self.timed else None, self.label)
             parity = epoch & 1
             if self.reduce_kind == REDUCE_PYTHON:
@@ -746,7 +758,7 @@ cdef class SmallRun:
             else:
                 self.reduce(parity, result)
         finally:
-            node.finished = epoch
+            fields.finished = epoch
         return 0
 
     cdef bint spin(self, int64_t target, double deadline) noexcept:

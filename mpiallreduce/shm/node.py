@@ -29,6 +29,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from .. import _form
 from .._waiting import deadline_of, meet, poll, wait_until
 from ..errors import CollectiveTimeout
 from ..executor import ABANDONED
@@ -52,11 +53,13 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-class Node:
+class Node(_form.compiled.NodeFields if _form.compiled is not None else object):
     """The shared-memory state of one communicator's node: headers, data windows, epoch.
 
     Made on first use (collective, at a point every rank reaches alike) and attached to the
-    private communicator, so it is freed with it (see :func:`node_of`).
+    private communicator, so it is freed with it (see :func:`node_of`). In the compiled form
+    ``epoch`` and ``finished`` are the C members of ``_compiled.NodeFields``, which the compiled
+    small-regime run reads without an attribute lookup.
     """
 
     def __init__(self, private: MPI.Intracomm, state, comm: MPI.Intracomm | None = None):
