@@ -337,17 +337,18 @@ cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
     cdef char *recv_at
     cdef const char *send_at
     if cnp.PyArray_CheckExact(recvbuf):
-        known = self._shapes.get((dtype_of(recvbuf), cnp.PyArray_SIZE(<cnp.ndarray>recvbuf),
-                                  in_place, id(op)))
+        known = self._shapes.get((id(dtype_of(recvbuf)),
+                                  cnp.PyArray_SIZE(<cnp.ndarray>recvbuf), in_place, id(op)))
         if known is None or not fresh_pair(sendbuf, recvbuf, in_place):
             return False
         shape = _live_shape(self, known, op)
         if shape is None:
             return False
         previous = self._previous
-        if (<tuple>previous)[1] is recvbuf and (<tuple>previous)[0] is sendbuf:
+        if (<list>previous)[1] is recvbuf and (<list>previous)[0] is sendbuf:
             return False  # the same arrays again: the Python method binds them
-        self._previous = (sendbuf, recvbuf)
+        (<list>previous)[0] = sendbuf
+        (<list>previous)[1] = recvbuf
         run_shape(shape, sendbuf, recvbuf)
         return True
     if not (type(recvbuf) is list or type(recvbuf) is tuple):
@@ -358,7 +359,7 @@ cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
     if not in_place and (not (type(sendbuf) is list or type(sendbuf) is tuple)
                          or spec_of(sendbuf, &send_count) is not dtype or send_count != count):
         return False
-    known = self._shapes.get((dtype, count, in_place, id(op)))
+    known = self._shapes.get((id(dtype), count, in_place, id(op)))
     if known is None:
         return False
     shape = _live_shape(self, known, op)

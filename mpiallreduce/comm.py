@@ -120,12 +120,15 @@ class Comm(MPI.Intracomm):
         # without it (mar.allreduce would refuse them)
         self._reproducible = bool(self._params.get("reproducible"))
         self._exact = {k: v for k, v in self._params.items() if k != "reproducible"}
-        # id(recvbuf) -> an Allreduce routed as it came (see Allreduce); (dtype, size, in place,
-        # id(op)) -> (Shape, op, handle): each at most 64, least recently stored out first
+        # id(recvbuf) -> an Allreduce routed as it came (see Allreduce); (id(dtype), size, in
+        # place, id(op)) -> (Shape, op, handle, dtype: held, so its id stays its own): each at
+        # most 64, least recently stored out first
         # (the hit paths read the dicts, ``_calls`` and ``_shapes``, the compiled one too)
         self._call_lru, self._shape_lru = LRU(64), LRU(64)
         self._calls, self._shapes = self._call_lru.entries, self._shape_lru.entries
-        self._previous = (None, None)  # the last pair of arrays seen once: see Allreduce
+        # the last pair of arrays seen once (see Allreduce), updated in place: a list, whose
+        # items cost less to set than an attribute of this object
+        self._previous = [None, None]
         self._settings = dict(options, reduce_scatter_algorithm=reduce_scatter_algorithm,
                               allgather_algorithm=allgather_algorithm)
         if self._args[3] is not None:
@@ -261,13 +264,13 @@ class Comm(MPI.Intracomm):
             if type(recvbuf) is np.ndarray:
                 # a fresh pair of arrays per call, as dot products are written: the shape that
                 # mar.allreduce found for an earlier call like it runs it on them at once
-                known = self._shapes.get((recvbuf.dtype, recvbuf.size, sendbuf is MPI.IN_PLACE,
-                                          id(op)))
+                known = self._shapes.get((id(recvbuf.dtype), recvbuf.size,
+                                          sendbuf is MPI.IN_PLACE, id(op)))
                 if known is not None and known[0].live and known[1] is op \
                         and known[2] == self.handle and fresh_arrays(sendbuf, recvbuf):
                     previous = self._previous
                     if previous[1] is not recvbuf or previous[0] is not sendbuf:
-                        self._previous = (sendbuf, recvbuf)
+                        previous[0], previous[1] = sendbuf, recvbuf
                         known[0].call(sendbuf, recvbuf, self._args[2])
                         return None
             if type(recvbuf) is np.ndarray and recvbuf.dtype in DTYPE_SET \
@@ -283,7 +286,7 @@ class Comm(MPI.Intracomm):
                     if previous[1] is recvbuf and previous[0] is sendbuf:
                         self._remember(sendbuf, recvbuf, op, plain)  # the same arrays again
                     else:
-                        self._previous = (sendbuf, recvbuf)
+                        previous[0], previous[1] = sendbuf, recvbuf
                     params = self._params_for(op, recvbuf)
                     allreduce(sendbuf, recvbuf, op, plain, *self._args, **params)
                     self._find_shape(sendbuf, recvbuf, op, plain, params)
@@ -336,8 +339,8 @@ class Comm(MPI.Intracomm):
         except TypeError:  # a parameter value that cannot be hashed: mar.allreduce kept none
             return
         if shape is not None:
-            self._shape_lru.put((recvbuf.dtype, recvbuf.size, sendbuf is MPI.IN_PLACE, id(op)),
-                                (shape, op, self.handle))
+            self._shape_lru.put((id(recvbuf.dtype), recvbuf.size, sendbuf is MPI.IN_PLACE,
+                                 id(op)), (shape, op, self.handle, recvbuf.dtype))
 
     def _remember(self, sendbuf, recvbuf, op, plain) -> None:
         """Keep an Allreduce routed with its own objects (they stay alive, so their ids stay

@@ -238,6 +238,38 @@ def test_the_drop_in_with_a_new_spec_or_fresh_arrays_each_call(algorithm, in_pla
     assert all(everyone), f"ranks with a wrong result: {[r for r, v in enumerate(everyone) if not v]}"
 
 
+def test_the_drop_in_knows_fresh_arrays_by_their_element_type_alone():
+    """``mar.Comm`` keeps the shapes of fresh arrays by the ``id`` of their dtype (held with the
+    shape): fresh arrays of another element type of the same size, each call a new dtype object
+    where NumPy makes one (byte-swapped float64, int64), never run a float64 shape; every result
+    equals plain mpi4py's on every rank."""
+    comm = MPI.COMM_WORLD
+    drop_in = mar.Comm(comm, "auto")
+    ok = []
+    for call in range(4):
+        for dtype in (np.float64, np.dtype(">f8"), np.int64, np.float64):
+            values = (np.arange(4) * (comm.rank + 1) + call).astype(np.float64)
+            expected = np.empty(4)
+            comm.Allreduce(values, expected)
+            fresh = values.astype(dtype)  # a new array (and, byte-swapped, a new dtype object)
+            if fresh.dtype.isnative:
+                drop_in.Allreduce(MPI.IN_PLACE, fresh)
+            else:  # mpi4py refuses a byte-swapped buffer; the drop-in must do as mpi4py does
+                try:
+                    drop_in.Allreduce(MPI.IN_PLACE, fresh)
+                except Exception as exc:  # noqa: BLE001 - compared with plain mpi4py's refusal
+                    theirs = None
+                    try:
+                        comm.Allreduce(MPI.IN_PLACE, values.astype(dtype))
+                    except Exception as plain:  # noqa: BLE001
+                        theirs = type(plain)
+                    ok.append(type(exc) is theirs)
+                    continue
+            ok.append(fresh.dtype == dtype and np.array_equal(fresh.astype(np.float64), expected))
+    everyone = comm.allgather(all(ok))
+    assert all(everyone), f"ranks with a wrong result: {[r for r, v in enumerate(everyone) if not v]}"
+
+
 def test_the_drop_in_with_a_spec_past_its_memory_does_as_mpi4py():
     """A spec whose count runs past its memory object (mpi4py trusts the count and reads on),
     after calls that made its shape known: the drop-in hands it to MPI, which gives what plain
