@@ -311,11 +311,11 @@ def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
     cdef object entry = self._calls.get(id(recvbuf))
     if entry is not None and (<tuple>entry)[1] is recvbuf and (<tuple>entry)[0] is sendbuf \
             and (<tuple>entry)[2] is op and dtype_of(recvbuf) is (<tuple>entry)[3] \
-            and (<tuple>entry)[4] == self.handle and not self._params:
+            and (<tuple>entry)[4] == self and not self._params:
         try:
-            _cached_call(ALLREDUCE, _bind_allreduce, sendbuf, recvbuf, op, (<tuple>entry)[5],
-                         (<tuple>entry)[6], (<tuple>entry)[7], (<tuple>entry)[8],
-                         (<tuple>entry)[9], {})
+            _cached_call(ALLREDUCE, _bind_allreduce, sendbuf, recvbuf, op, (<tuple>entry)[4],
+                         (<tuple>entry)[5], (<tuple>entry)[6], (<tuple>entry)[7],
+                         (<tuple>entry)[8], {})
         except _unviewable as agreed:
             _settle(agreed, None)
             return self._mpi("Allreduce", sendbuf, recvbuf, op)
@@ -395,7 +395,7 @@ cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
 cdef object _live_shape(self, known, op):
     """The shape of a ``Comm._shapes`` entry if it still runs on the caller's memory here."""
     shape = (<tuple>known)[0]
-    if not shape.live or (<tuple>known)[1] is not op or (<tuple>known)[2] != self.handle:
+    if not shape.live or (<tuple>known)[1] is not op or not (<tuple>known)[2] == self:
         return None
     if shape.small is None:
         return None

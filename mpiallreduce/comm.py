@@ -121,8 +121,8 @@ class Comm(MPI.Intracomm):
         self._reproducible = bool(self._params.get("reproducible"))
         self._exact = {k: v for k, v in self._params.items() if k != "reproducible"}
         # id(recvbuf) -> an Allreduce routed as it came (see Allreduce); (id(dtype), size, in
-        # place, id(op)) -> (Shape, op, handle, dtype: held, so its id stays its own): each at
-        # most 64, least recently stored out first
+        # place, id(op)) -> (Shape, op, the plain view it was found with, dtype: held, so its id
+        # stays its own): each at most 64, least recently stored out first
         # (the hit paths read the dicts, ``_calls`` and ``_shapes``, the compiled one too)
         self._call_lru, self._shape_lru = LRU(64), LRU(64)
         self._calls, self._shapes = self._call_lru.entries, self._shape_lru.entries
@@ -253,13 +253,13 @@ class Comm(MPI.Intracomm):
         entry = self._calls.get(id(recvbuf))
         try:
             if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
-                    and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
+                    and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self:
                 if self._params:
-                    allreduce(sendbuf, recvbuf, op, entry[5], *self._args,
+                    allreduce(sendbuf, recvbuf, op, entry[4], *self._args,
                               **self._params_for(op, recvbuf))
                 else:  # spelled out: a * or ** call costs more than the routing itself
-                    allreduce(sendbuf, recvbuf, op, entry[5], entry[6], entry[7], entry[8],
-                              entry[9])
+                    allreduce(sendbuf, recvbuf, op, entry[4], entry[5], entry[6], entry[7],
+                              entry[8])
                 return None
             if type(recvbuf) is np.ndarray:
                 # a fresh pair of arrays per call, as dot products are written: the shape that
@@ -267,7 +267,7 @@ class Comm(MPI.Intracomm):
                 known = self._shapes.get((id(recvbuf.dtype), recvbuf.size,
                                           sendbuf is MPI.IN_PLACE, id(op)))
                 if known is not None and known[0].live and known[1] is op \
-                        and known[2] == self.handle and fresh_arrays(sendbuf, recvbuf):
+                        and known[2] == self and fresh_arrays(sendbuf, recvbuf):
                     previous = self._previous
                     if previous[1] is not recvbuf or previous[0] is not sendbuf:
                         previous[0], previous[1] = sendbuf, recvbuf
@@ -323,7 +323,7 @@ class Comm(MPI.Intracomm):
         """The entry :meth:`_remember` kept for a call with these very objects, or None."""
         entry = self._calls.get(id(recvbuf))
         if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
-                and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self.handle:
+                and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self:
             return entry
         return None
 
@@ -340,13 +340,15 @@ class Comm(MPI.Intracomm):
             return
         if shape is not None:
             self._shape_lru.put((id(recvbuf.dtype), recvbuf.size, sendbuf is MPI.IN_PLACE,
-                                 id(op)), (shape, op, self.handle, recvbuf.dtype))
+                                 id(op)), (shape, op, plain, recvbuf.dtype))
 
     def _remember(self, sendbuf, recvbuf, op, plain) -> None:
         """Keep an Allreduce routed with its own objects (they stay alive, so their ids stay
-        theirs); a new element type of recvbuf or a new handle parses the call again."""
-        self._call_lru.put(id(recvbuf), (sendbuf, recvbuf, op, recvbuf.dtype, self.handle,
-                                         plain, *self._args))
+        theirs); a new element type of recvbuf or a new handle parses the call again (the
+        entry holds the plain view it was routed with, whose handle was this communicator's:
+        ``view == self`` compares the handles without making a Python int of each)."""
+        self._call_lru.put(id(recvbuf), (sendbuf, recvbuf, op, recvbuf.dtype, plain,
+                                         *self._args))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Start a reduce to all with :func:`mpiallreduce.iallreduce`; return a request to
@@ -354,7 +356,7 @@ class Comm(MPI.Intracomm):
         try:
             entry = self._known(sendbuf, recvbuf, op)
             if entry is not None:
-                return CommRequest(iallreduce(sendbuf, recvbuf, op, entry[5], *self._args,
+                return CommRequest(iallreduce(sendbuf, recvbuf, op, entry[4], *self._args,
                                               **self._params_for(op, recvbuf)))
             route = self._route(lambda: self._with_plain(reduction(sendbuf, recvbuf, op)), op,
                                 "iallreduce")
