@@ -49,6 +49,7 @@ from .executor import Plan, _PlanBase, flat
 from .ops import DTYPES
 from .partition import block
 from .shm import KIND_DATA, Node, ShmPlan, digest, signature_words
+from .shm.plan import copy_call
 
 #: the algorithms this transport runs (their index is folded into the signature).
 ALGORITHMS = ("hierarchical", "cascade")
@@ -102,13 +103,6 @@ def node_for(state, topology, deadline: float | None = None, what: str = "allred
         comm.Free()
         table[key] = None
     return table[key]
-
-
-def _copy(target: np.ndarray, source: np.ndarray):
-    """A bound copy between two contiguous ranges: a byte memoryview's slice assignment
-    (a memcpy without NumPy's per-call cost, which shows at small sizes)."""
-    return partial(memoryview(target).cast("B").__setitem__, slice(None),
-                   memoryview(source).cast("B"))
 
 
 class NodesPlan(ShmPlan):
@@ -200,7 +194,7 @@ class NodesPlan(ShmPlan):
         rank, count = node.rank, result.size
         slots = self._slots(parity)
         owners = min(phase.owners, node.size)
-        load = [_copy(slots[rank], source)]
+        load = [copy_call(slots[rank], source)]
         reduce, gather, publish, pull = [], [], [], []
         span = phase.span
         if rank < owners:
@@ -218,20 +212,20 @@ class NodesPlan(ShmPlan):
         if phase.leader and rank == 0:  # gathers the blocks, publishes the whole vector
             for q in range(1, owners):
                 start, stop = block(count, owners, q)
-                gather.append(_copy(result[start:stop], slots[q][start:stop]))
+                gather.append(copy_call(result[start:stop], slots[q][start:stop]))
             span = (0, count)
         elif phase.leader:
-            pull.append(_copy(result, slots[0]))
+            pull.append(copy_call(result, slots[0]))
         else:
             for q in range(owners):
                 if q != rank:
                     start, stop = block(count, owners, q)
-                    pull.append(_copy(result[start:stop], slots[q][start:stop]))
+                    pull.append(copy_call(result[start:stop], slots[q][start:stop]))
         lo, hi = span
         if hi > lo:
             if self._average and (not phase.leader or rank == 0):
                 publish.append(partial(np.divide, result[lo:hi], self._nranks, result[lo:hi]))
-            publish.append(_copy(slots[rank][lo:hi], result[lo:hi]))
+            publish.append(copy_call(slots[rank][lo:hi], result[lo:hi]))
         mark = self._phase
         return (tuple(mark("arrive", None, load)), tuple(mark("reduce", None, reduce)),
                 tuple(mark("gather", None, gather)), tuple(mark("publish", None, publish)),
@@ -239,7 +233,7 @@ class NodesPlan(ShmPlan):
 
     def _reduce_into(self, out: np.ndarray, operands: list[np.ndarray]) -> list:
         if len(operands) == 1:  # a node of one rank
-            return [_copy(out, operands[0])]
+            return [copy_call(out, operands[0])]
         return super()._reduce_into(out, operands)
 
     # -- running ------------------------------------------------------------------------------

@@ -158,6 +158,61 @@ def test_chunked_large_regime_keeps_rank_order_and_averages(comm, small_chunks):
         compose.Free()
 
 
+def _at_page_offset(count: int, dtype, offset: int) -> np.ndarray:
+    """An array of ``count`` elements ``offset`` bytes past a page boundary (malloc puts large
+    arrays 16 bytes past one)."""
+    raw = np.empty(count * np.dtype(dtype).itemsize + 8192, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096 + offset
+    return raw[start:start + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def _bound_calls(programs):
+    """Every bound call in a plan's programs (nested tuples of calls)."""
+    for item in programs:
+        if isinstance(item, tuple):
+            yield from _bound_calls(item)
+        else:
+            yield item
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int8", "complex128", "bool"])
+def test_copy_call_copies_every_byte_at_every_alignment(dtype):
+    """shm's one copy (``plan.copy_call``): the same bytes (NaN payloads, -0.0, odd sizes), on
+    both sides of its memcpy limit, from and to any page offset."""
+    for count in (0, 1, 7, shm.plan.LOOP_COPY_BYTES // np.dtype(dtype).itemsize + 3, 70_001):
+        source = contribution(MPI.COMM_SELF, count, dtype, "SUM", seed=count)
+        if np.dtype(dtype).kind == "f" and count > 2:
+            source[:3] = [np.nan, -0.0, np.inf]
+        for offset in (0, 8, 16, 24, 4088):
+            target = _at_page_offset(count, dtype, offset)
+            shm.plan.copy_call(target, source)()
+            assert source.tobytes() == target.tobytes(), (count, offset)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_large_regime_copies_never_use_memcpy(comm, in_place):
+    """Copies between slots and a rank's arrays go through NumPy's byte loop: glibc's memcpy
+    runs 5-15x slower on AMD Zen 3 where the target lies 1-31 bytes past the source modulo 4096,
+    as a result array 16 bytes past a page lies past a slot (docs/performance.md, "Copies").
+    Results are checked at page offsets 0, 16 and 24 of input and result."""
+    count = shm.small_bytes(comm.size) // 8 * 3 + 5
+    for offset in (0, 16, 24):
+        x = _at_page_offset(count, np.float64, offset)
+        x[...] = contribution(comm, count, "float64", seed=offset)
+        out = _at_page_offset(count, np.float64, offset)
+        if in_place:
+            out[...] = x
+        plan = mar.plan(MPI.IN_PLACE if in_place else x, out, comm=comm, algorithm="shm")
+        plan.run()
+        assert_matches_native(comm, x, out, MPI.SUM)
+        if comm.size > 1:
+            assert isinstance(plan, shm.ChunkedPlan)
+            copies = [call for call in _bound_calls(plan._programs)
+                      if getattr(call, "func", None) is np.copyto]
+            assert not copies, f"{len(copies)} bound np.copyto calls"
+        plan.free()
+
+
 def test_chunked_large_regime_reads_a_shared_input_in_place(comm, small_chunks):
     count = _chunk_counts(comm, 8)[-1]
     with mar.shared_zeros(count, comm=comm) as send:

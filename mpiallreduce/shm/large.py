@@ -17,7 +17,7 @@ import numpy as np
 
 from ..partition import block
 from .node import Node
-from .plan import ShmPlan
+from .plan import ShmPlan, copy_call
 from .protocol import STEP_SHIFT, STEP_WORD, chunk_bytes, round_up
 
 
@@ -68,7 +68,7 @@ class ChunkedPlan(ShmPlan):
             load = ()
             if peer_inputs is None:
                 # the peers' blocks of our input (our own block is read where it is)
-                load = tuple(partial(np.copyto, slots[rank][a:b], source[start + a:start + b])
+                load = tuple(copy_call(slots[rank][a:b], source[start + a:start + b])
                              for a, b in ((0, lo), (hi, size)) if b > a)
                 operands = [slot[lo:hi] for slot in slots]
                 operands[rank] = source[start + lo:start + hi]
@@ -83,13 +83,13 @@ class ChunkedPlan(ShmPlan):
                 reduce += self._reduce_into(mine, operands)
                 if self._average:
                     reduce.append(partial(np.divide, mine, self._nranks, mine))
-                copy.append(partial(np.copyto, result[start + lo:start + hi], mine))
+                copy.append(copy_call(result[start + lo:start + hi], mine))
             pull = []
             for q in range(p):
                 first, last = block(size, p, q)
                 if q != rank and last > first:
-                    pull.append(partial(np.copyto, result[start + first:start + last],
-                                        slots[q][first:last]))
+                    pull.append(copy_call(result[start + first:start + last],
+                                          slots[q][first:last]))
             phase = self._phase
             chunks.append((load, (*phase("reduce", c, reduce), *phase("copy out", c, copy)),
                            tuple(phase("copy out", c, pull))))
@@ -186,7 +186,7 @@ class DirectPlan(ShmPlan):
             # a private input into a shared result: copy it into our own shared result, then
             # reduce from the peers' results
             inputs = recv_block.peers(recv_at, dtype, count)
-            load.append(partial(np.copyto, inputs[rank], source))
+            load.append(copy_call(inputs[rank], source))
         mine = [operand[lo:hi] for operand in inputs]
         # the result is a shared array: write our block into every rank's array
         outputs = recv_block.peers(recv_at, dtype, count)
@@ -199,12 +199,12 @@ class DirectPlan(ShmPlan):
         elif aliased:
             # a user op keeps rank order: fold into scratch, not into an operand
             reduce += self._reduce_into(self._scratch, mine)
-            reduce.append(partial(np.copyto, target, self._scratch))
+            reduce.append(copy_call(target, self._scratch))
         else:
             reduce += self._reduce_into(target, mine)
         if self._average:
             reduce.append(partial(np.divide, target, self._nranks, target))
-        copy = [partial(np.copyto, outputs[q][lo:hi], target) for q in range(p) if q != rank]
+        copy = [copy_call(outputs[q][lo:hi], target) for q in range(p) if q != rank]
         phase = self._phase
         return (tuple(phase("arrive", None, load)),
                 (*phase("reduce", None, reduce), *phase("copy out", None, copy)))
