@@ -25,8 +25,12 @@ from libc.string cimport memcpy
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.exc cimport PyErr_CheckSignals, PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
-from cpython.long cimport PyLong_FromSize_t
+from cpython.long cimport PyLong_FromSize_t, PyLong_FromVoidPtr
+from cpython.dict cimport PyDict_GetItemWithError
+from cpython.ref cimport PyObject
 from cpython.object cimport PyObject_GenericGetDict
+
+from collections import OrderedDict
 
 from mpi4py import MPI
 
@@ -238,6 +242,7 @@ cdef class RequestFields:
 
 cdef object _python_start = None
 cdef object _MISSING = object()
+cdef type _ORDERED = OrderedDict
 cdef object _bind_iallreduce = None
 cdef list _DROPPED = None
 cdef object _tidy = None
@@ -308,10 +313,17 @@ def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
     """The compiled ``mar.Comm.Allreduce``: its first branch (the objects of an earlier call
     routed as they came, found by ``recvbuf``'s identity), written as the Python method's;
     every other call is the Python method's."""
-    cdef object entry = self._calls.get(id(recvbuf))
+    # the communicator's fields read from its instance dict (cheaper than a generic attribute
+    # lookup each; a missing one: the Python method)
+    cdef dict fields = PyObject_GenericGetDict(self, NULL)
+    cdef object calls = fields.get("_calls"), params = fields.get("_params", _MISSING)
+    cdef object args = fields.get("_args"), entry = None
+    if type(calls) is not _ORDERED or type(args) is not tuple or params is _MISSING:
+        return _comm_allreduce(self, sendbuf, recvbuf, op)
+    entry = dict_get(calls, id_of(recvbuf))
     if entry is not None and (<tuple>entry)[1] is recvbuf and (<tuple>entry)[0] is sendbuf \
             and (<tuple>entry)[2] is op and dtype_of(recvbuf) is (<tuple>entry)[3] \
-            and (<tuple>entry)[4] == self and not self._params:
+            and (<tuple>entry)[4] == self and not params:
         try:
             _cached_call(ALLREDUCE, _bind_allreduce, sendbuf, recvbuf, op, (<tuple>entry)[4],
                          (<tuple>entry)[5], (<tuple>entry)[6], (<tuple>entry)[7],
@@ -320,12 +332,25 @@ def comm_allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
             _settle(agreed, None)
             return self._mpi("Allreduce", sendbuf, recvbuf, op)
         return None
-    if not self._params and (self._args[3] is None) and _comm_by_shape(self, sendbuf, recvbuf, op):
+    if not params and (<tuple>args)[3] is None \
+            and _comm_by_shape(self, fields, sendbuf, recvbuf, op):
         return None
     return _comm_allreduce(self, sendbuf, recvbuf, op)
 
 
-cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
+cdef inline object id_of(obj):
+    """``id(obj)``, without a call of the builtin."""
+    return PyLong_FromVoidPtr(<void *>obj)
+
+
+cdef inline object dict_get(mapping, key):
+    """``mapping.get(key)`` for a dict or an OrderedDict (whose items live in the dict itself),
+    without a method call."""
+    cdef PyObject *found = PyDict_GetItemWithError(mapping, key)  # (an error raises here)
+    return None if found == NULL else <object>found
+
+
+cdef bint _comm_by_shape(self, dict fields, sendbuf, recvbuf, op) except -1:
     """The Python method's second branch (fresh arrays of a shape ``mar.allreduce`` knows,
     ``Comm._shapes``), where the shape runs on the caller's memory (:func:`run_shape`), and the
     same for a buffer spec ``[buffer, count, datatype]`` (as array libraries wrap their
@@ -333,18 +358,23 @@ cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
     cdef bint in_place = sendbuf is _IN_PLACE
     cdef Py_buffer send_view, recv_view
     cdef object dtype, known, shape, previous
+    cdef object shapes = fields.get("_shapes")
     cdef Py_ssize_t count, send_count = 0, nbytes
     cdef char *recv_at
     cdef const char *send_at
+    if type(shapes) is not _ORDERED:
+        return False
     if cnp.PyArray_CheckExact(recvbuf):
-        known = self._shapes.get((id(dtype_of(recvbuf)),
-                                  cnp.PyArray_SIZE(<cnp.ndarray>recvbuf), in_place, id(op)))
+        known = dict_get(shapes, (id_of(dtype_of(recvbuf)),
+                                  cnp.PyArray_SIZE(<cnp.ndarray>recvbuf), in_place, id_of(op)))
         if known is None or not fresh_pair(sendbuf, recvbuf, in_place):
             return False
         shape = _live_shape(self, known, op)
         if shape is None:
             return False
-        previous = self._previous
+        previous = fields.get("_previous")
+        if type(previous) is not list:
+            return False
         if (<list>previous)[1] is recvbuf and (<list>previous)[0] is sendbuf:
             return False  # the same arrays again: the Python method binds them
         (<list>previous)[0] = sendbuf
@@ -359,7 +389,7 @@ cdef bint _comm_by_shape(self, sendbuf, recvbuf, op) except -1:
     if not in_place and (not (type(sendbuf) is list or type(sendbuf) is tuple)
                          or spec_of(sendbuf, &send_count) is not dtype or send_count != count):
         return False
-    known = self._shapes.get((id(dtype), count, in_place, id(op)))
+    known = dict_get(shapes, (id_of(dtype), count, in_place, id_of(op)))
     if known is None:
         return False
     shape = _live_shape(self, known, op)
@@ -508,7 +538,7 @@ cdef object _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, dict para
         return None
     # _plans.shape_key, written out: (comm, op, algorithm, topology, dtype, count, in place,
     # parameters)
-    key = (id(comm), id(op), algorithm, id(topology), dtype_of(like),
+    key = (id_of(comm), id_of(op), algorithm, id_of(topology), id_of(dtype_of(like)),
            cnp.PyArray_SIZE(<cnp.ndarray>like), in_place, tuple(params.items()) if params else ())
     try:
         shape = _SHAPES.get(key)

@@ -381,8 +381,8 @@ STAGE_BYTES = 1 << 16
 class Shape(_Known):
     """A one-shot allreduce known by its shape, for calls with fresh arrays each time.
 
-    Holds the communicator, op and topology of the call (so their ids in the key stay theirs)
-    and the packed signatures. Native: the MPI datatype and the private duplicate's
+    Holds the communicator, op, topology and dtype of the call (so their ids in the key stay
+    theirs) and the packed signatures. Native: the MPI datatype and the private duplicate's
     ``Allreduce``, called on the caller's arrays. A schedule (``schedule``, up to
     :data:`STAGE_BYTES`): a plan bound to staging buffers of its own, built the first time a
     call finds the shape (most cached calls never do), with the caller's data copied in and the
@@ -396,7 +396,7 @@ class Shape(_Known):
     def __init__(self, call: Call, state: CommState, objects: tuple, schedule: bool,
                  fused: bool = False):
         self.state = state
-        self.objects = objects  # comm, op, topology as passed
+        self.objects = objects  # comm, op, topology, the result's dtype as passed
         self.datatype = MPI.Datatype.fromcode(call.recv.dtype.char)
         self.op = call.reducer.mpi_op
         self.nranks = state.private.Get_size()
@@ -507,7 +507,9 @@ def fresh_arrays(sendbuf, recvbuf: np.ndarray) -> bool:
 
 
 def shape_key(comm, sendbuf, recvbuf: np.ndarray, op, algorithm, topology, params: dict) -> tuple:
-    return (id(comm), id(op), algorithm, id(topology), recvbuf.dtype, recvbuf.size,
+    # (the dtype by its id, as the other objects: the shape holds it; a dtype's hash is
+    # computed per call)
+    return (id(comm), id(op), algorithm, id(topology), id(recvbuf.dtype), recvbuf.size,
             sendbuf is MPI.IN_PLACE, tuple(params.items()) if params else ())
 
 
@@ -573,7 +575,8 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
         known = SHAPES.get(key)
         if known is not None and known.schedule == (not native) and known.fused == fused(plan):
             return  # (the same call: keep the staged plan it may have built)
-        state.calls.put_shape(key, Shape(call, state, (comm, op, topology), schedule=not native,
+        state.calls.put_shape(key, Shape(call, state, (comm, op, topology, recvbuf.dtype),
+                                         schedule=not native,
                                          fused=fused(plan)))
 
 

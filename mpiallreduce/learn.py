@@ -287,10 +287,12 @@ def forget(state, record: Record) -> None:
         if isinstance(plan, Learner) and plan.record is record:
             calls.discard(key)
     bucket, in_place, _, _, dtype, _ = record.key
-    for key in list(calls.shapes.entries):
-        # shape_key: (comm, op, algorithm, topology, dtype, count, in place, params)
-        if key[2] == "auto" and key[6] == in_place and key[4].str == dtype \
-                and 1 << (max(key[4].itemsize * key[5], 1).bit_length() - 1) == bucket:
+    for key, shape in list(calls.shapes.entries.items()):
+        # shape_key: (comm, op, algorithm, topology, id(dtype), count, in place, params); the
+        # shape holds the dtype (Shape.objects: comm, op, topology, dtype)
+        kind = shape.objects[3]
+        if key[2] == "auto" and key[6] == in_place and kind.str == dtype \
+                and 1 << (max(kind.itemsize * key[5], 1).bit_length() - 1) == bucket:
             calls.discard_shape(key)
 
 
