@@ -139,17 +139,19 @@ class GradSync:
         if compression is not None:
             solo_bytes = None  # a compressed bucket encodes into buffers of its own anyway
         self._solo_bytes = float("inf") if solo_bytes is None else solo_bytes
-        self.buckets = [self._bucket(members) for members in
-                        pack(self.arrays, bucket_bytes, solo_bytes)]
-        if any(bucket.solo and bucket.plan.algorithm == "shm" for bucket in self.buckets):
-            # one node (the choice is agreed: every rank rebuilds): shm reduces a shared
+        groups = pack(self.arrays, bucket_bytes, solo_bytes)
+        probe = next((self._bucket(members) for members in groups if self._solo(members)), None)
+        if probe is not None and probe.plan.algorithm == "shm":
+            # one node (the choice is agreed: every rank packs alike): shm reduces a shared
             # bucket in place, one handshake per bucket, but a solo array's private memory a
             # chunk at a time, a handshake per chunk, which cost more than the copies in and
-            # out they save (docs/training.md). Pack every array instead.
-            self._free_buckets()
-            self._solo_bytes = float("inf")
-            self.buckets = [self._bucket(members) for members in
-                            pack(self.arrays, bucket_bytes, None)]
+            # out they save (docs/training.md). Pack every array instead, known from the first
+            # solo array's plan, before any other is bound.
+            probe.plan.free()
+            probe, self._solo_bytes = None, float("inf")
+            groups = pack(self.arrays, bucket_bytes, None)
+        self.buckets = [probe if probe is not None and members == probe.members
+                        else self._bucket(members) for members in groups]
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
         self._next = 0  # the next bucket to start, in bucket order
         self._marked = [False] * len(self.arrays)
@@ -157,14 +159,18 @@ class GradSync:
 
     # -- building ------------------------------------------------------------------------------
 
+    def _solo(self, members: list) -> bool:
+        """Whether a bucket of ``members`` is the one array's own memory, reduced in place."""
+        return len(members) == 1 and self.codec is None and self.topk is None \
+            and self.arrays[members[0]].nbytes >= self._solo_bytes
+
     def _bucket(self, members: list) -> _Bucket:
         offsets, total = [], 0
         for index in members:
             offsets.append(total)
             total += self.arrays[index].size
         first = self.arrays[members[0]]
-        solo = len(members) == 1 and self.codec is None and self.topk is None \
-            and first.nbytes >= self._solo_bytes
+        solo = self._solo(members)
         flat = first.reshape(-1) if solo else np.empty(total, first.dtype)
         bucket = _Bucket(members, offsets, flat, solo=solo)
         if self.topk is not None:
