@@ -15,10 +15,10 @@ piece at a time (``--piece`` bytes: divide a piece, reduce it while it is in cac
 Part 2, DDP steps of examples/torch_ddp.py's model, ``--steps`` steps per way per round,
 interleaved one by one (``--ways``): ``local`` (no all-reduce), ``gloo``, ``nothing`` (a hook
 that reduces nothing: DDP's bucket work and the hand-off to the communication thread),
-``hook``, ``before`` (the hook dividing in a pass of its own), ``avg`` (the AVG plan alone),
-``shared`` (AVG into a shared array, the future's value); ``+view``: DDP with
-``gradient_as_bucket_view=True`` (the gradients are views of the buckets: no copy into them
-and back); ``+capN``: ``bucket_cap_mb=N``. Each step's ratio to Gloo's of the same cycle.
+``hook``, ``before`` (the hook dividing in a pass of its own), ``shared`` (AVG into a shared
+array, the future's value); ``+view``: DDP with ``gradient_as_bucket_view=True`` (the
+gradients are views of the buckets: no copy into them and back); ``+capN``:
+``bucket_cap_mb=N``. Each step's ratio to Gloo's of the same cycle, medians.
 """
 
 from __future__ import annotations
@@ -60,19 +60,6 @@ class _Nothing(mt._Reduction):
         pass
 
 
-class _Folded(mt._Reduction):
-    """The division folded into the reduction: ``mar.AVG`` (sum, then divide each chunk)."""
-
-    def __init__(self, state, index, buffer, handed_over=False):
-        self.state, self.index, self.buffer, self.payload = state, index, buffer, buffer
-        self.key = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
-        self.plan = mar.plan(MPI.IN_PLACE, view(buffer.detach(), "bucket"), op=mar.AVG,
-                             comm=state.comm)
-
-    def start(self, buffer):
-        return mt.start(self.plan)
-
-
 class _SharedFolded(mt._Reduction):
     """AVG from the bucket into a shared array (shm's direct regime); the future's value."""
 
@@ -112,8 +99,7 @@ class _Before(mt._Reduction):
 mt._KINDS["before"] = _Before
 mt._KINDS["nothing"] = _Nothing
 mt._KINDS["shared"] = _SharedFolded
-mt._KINDS["avg"] = _Folded
-HOOKS = {"nothing": mt._hook("nothing"), "hook": mt.allreduce_hook, "avg": mt._hook("avg"),
+HOOKS = {"nothing": mt._hook("nothing"), "hook": mt.allreduce_hook,
          "shared": mt._hook("shared"), "before": mt._hook("before")}
 
 
@@ -146,14 +132,14 @@ def bucket_parts(args, comm) -> dict:
             plan.run()
 
     bucket = mt.Bucket(0, buffers["hook"])
-    folded = mt.Bucket(1, buffers["reduce"].clone())
+    before = mt.Bucket(1, buffers["reduce"].clone())
     shared = mt.Bucket(2, buffers["reduce"].clone())
     ways = {"copy": lambda: other.copy_(source),
             "divide": lambda: torch.div(source, p, out=other),
             "reduce": plans["reduce"].run,
             "divide+reduce": divide_reduce,
             "hook": lambda: mt.allreduce_hook(state, bucket).wait(),
-            "hook as before": lambda: HOOKS["before"](state, folded).wait(),
+            "hook as before": lambda: HOOKS["before"](state, before).wait(),
             "hook, AVG to shared": lambda: HOOKS["shared"](state, shared).wait(),
             f"pieces of {args.piece >> 10} KiB": by_pieces}
     times: dict = {name: [] for name in ways}
@@ -216,7 +202,6 @@ def steps(args, comm) -> dict:
     for way in ways:
         if way.state is not None:
             way.state.free()
-    first = times[ways[0].name]
     return {name: (statistics.median(values),
                    {other: statistics.median(a / b for a, b in zip(values, times[other]))
                     for other in times if other.startswith("gloo")})
@@ -246,7 +231,9 @@ def main(argv=None) -> int:
               f"UTC; {args.rounds} interleaved rounds, medians")
         for name, value in parts.items():
             print(f"bucket {LARGE * 4 / 1e6:.1f} MB {name:>20s} {value * 1e3:8.2f} ms")
-        print("# steps interleaved one by one; ratio: median over cycles of the step / gloo's")
+        if ddp:
+            print("# steps interleaved one by one; ratio: median over cycles of the step / "
+                  "gloo's")
         for name, (value, ratios) in ddp.items():
             print(f"step {name:>20s} {value * 1e3:8.2f} ms  "
                   + "  ".join(f"{ratio:5.2f}x {g}" for g, ratio in ratios.items()))
