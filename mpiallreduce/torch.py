@@ -22,7 +22,9 @@ hook reduces the bucket itself and returns a completed future.
 
 **Semantics** are PyTorch's own hooks' (``torch.distributed.algorithms.ddp_comm_hooks``):
 :func:`allreduce_hook` divides the bucket by the number of ranks, then sums (the bits of DDP
-with Gloo wherever the sum's order is the same, e.g. on two ranks); :func:`fp16_compress_hook`
+with Gloo wherever the sum's order is the same, e.g. on two ranks; where the number of ranks
+is a power of two it divides the sum instead, the same bits but for overflowing partial sums
+and values subnormal once divided, see ``_Reduction``); :func:`fp16_compress_hook`
 and :func:`bf16_compress_hook` cast the bucket to the 16-bit type, divide, sum and cast back.
 16-bit payloads (those hooks, and float16/bfloat16 models) travel as 16-bit words reduced by a
 user op that adds in float32 and rounds each partial sum to the 16-bit type, as Gloo's 16-bit
