@@ -15,7 +15,8 @@ Two parts, each in interleaved rounds (every way once per round, in turn), media
    gradients are views of its buckets, so it copies nothing into them and back), and
    ``GradSync`` (the model alone, each parameter's gradient marked ready by a
    post-accumulate hook, ``overlap=True``, waited before the update), ``GradSync-serial``
-   (the same with ``overlap=False``) and ``plain`` (the loop GradSync replaces: after
+   (the same with ``overlap=False``), both again with ``+views`` (the gradients views of the
+   sync's buckets: ``GradSync(views=True)``) and ``plain`` (the loop GradSync replaces: after
    backward, ``comm.Allreduce(MPI.IN_PLACE, g)`` per gradient, then divided by p). Targets:
    hook step / Gloo step <= 0.7 (DDP's options alike for both); visible communication (step -
    local step) of GradSync <= 0.5x Gloo's; GradSync's step <= the plain loop's, with and
@@ -88,8 +89,13 @@ class Way:
         if name == "plain":  # the loop GradSync replaces: MPI's in-place Allreduce per gradient
             self.plain = [(p.grad.numpy(), comm) for p in params]
         if name.startswith("GradSync"):
+            views = name.endswith("+views")
             self.sync = mar.GradSync([p.grad for p in params], comm, op=mar.AVG,
-                                     overlap=name == "GradSync")
+                                     overlap=not name.startswith("GradSync-serial"),
+                                     views=views)
+            if views:  # the gradients live in the sync's buckets
+                for p, array in zip(params, self.sync.arrays):
+                    p.grad = torch.from_numpy(array)
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(lambda _, i=i: self.sync.ready(i))
         self.optimizer = torch.optim.SGD(params, lr=args.lr)
@@ -121,7 +127,7 @@ class Way:
 def step_times(args, comm) -> dict:
     ways = [Way(name, args, comm)
             for name in ("local", "gloo", "hook", "gloo+view", "hook+view", "GradSync",
-                         "GradSync-serial", "plain")]
+                         "GradSync-serial", "GradSync+views", "GradSync-serial+views", "plain")]
     for way in ways:  # DDP rebuilds its buckets after its first step; plans bind
         for _ in range(3):
             way.step()
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
             ratio = visible[name] / visible["gloo"]
             print(f"visible communication, {name} / gloo = {visible[name] * 1e3:.2f} / "
                   f"{visible['gloo'] * 1e3:.2f} ms = {ratio:.2f}  {verdict(ratio, 0.5)} (<= 0.5)")
-        for name in ("GradSync", "GradSync-serial"):
+        for name in ("GradSync", "GradSync-serial", "GradSync+views", "GradSync-serial+views"):
             ratio = steps[name] / steps["plain"]
             print(f"{name} step / plain Allreduce loop step = {ratio:.2f}  "
                   f"{verdict(ratio, 1.0)} (<= 1.0)")
