@@ -64,6 +64,7 @@ class _Bucket:
     request: object = None
     waiting: int = 0  # members not yet marked ready this step
     solo: bool = False  # ``flat`` is the one member's own memory: nothing to copy
+    viewed: bool = False  # the members are views of ``flat`` (``views=True``): nothing to copy
     shared: bool = False  # ``flat`` is a shared array (the plan runs shm): freed with the sync
 
 
@@ -101,6 +102,11 @@ class GradSync:
             keeps the same mode and starts its buckets at the same point relative to other
             collectives. Buckets start in bucket order on every rank. Do not write a gradient
             between ``ready`` and ``wait``.
+        views: ``True`` makes ``arrays`` views of the buckets after construction (each holding
+            its array's values, as NumPy arrays): write the gradients there (``p.grad =
+            torch.from_numpy(sync.arrays[i])``) and nothing is copied into the buckets or out,
+            as with DDP's ``gradient_as_bucket_view``. The views live until :meth:`free`;
+            arrays that are buckets of their own (solo) stay the caller's.
 
     Results equal a per-array ``allreduce`` of each array element for element (the same
     additions; bit for bit where the algorithm's order of additions does not depend on an
@@ -108,7 +114,7 @@ class GradSync:
     """
 
     def __init__(self, arrays, comm=None, op=AVG, algorithm="auto", bucket_bytes=BUCKET_BYTES,
-                 compression=None, solo_bytes=SOLO_BYTES, overlap="auto"):
+                 compression=None, solo_bytes=SOLO_BYTES, overlap="auto", views=False):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         # views of the caller's memory (torch tensors too), never copies: results land there
         self.arrays = [view(a, f"gradient {i}") for i, a in enumerate(arrays)]
@@ -139,17 +145,22 @@ class GradSync:
         if compression is not None:
             solo_bytes = None  # a compressed bucket encodes into buffers of its own anyway
         self._solo_bytes = float("inf") if solo_bytes is None else solo_bytes
-        self.buckets = [self._bucket(members) for members in
-                        pack(self.arrays, bucket_bytes, solo_bytes)]
-        if any(bucket.solo and bucket.plan.algorithm == "shm" for bucket in self.buckets):
-            # one node (the choice is agreed: every rank rebuilds): shm reduces a shared
+        groups = pack(self.arrays, bucket_bytes, solo_bytes)
+        probe = next((self._bucket(members) for members in groups if self._solo(members)), None)
+        if probe is not None and probe.plan.algorithm == "shm":
+            # one node (the choice is agreed: every rank packs alike): shm reduces a shared
             # bucket in place, one handshake per bucket, but a solo array's private memory a
             # chunk at a time, a handshake per chunk, which cost more than the copies in and
-            # out they save (docs/training.md). Pack every array instead.
-            self._free_buckets()
-            self._solo_bytes = float("inf")
-            self.buckets = [self._bucket(members) for members in
-                            pack(self.arrays, bucket_bytes, None)]
+            # out they save (docs/training.md). Pack every array instead, known from the first
+            # solo array's plan, before any other is bound.
+            probe.plan.free()
+            probe, self._solo_bytes = None, float("inf")
+            groups = pack(self.arrays, bucket_bytes, None)
+        self.buckets = [probe if probe is not None and members == probe.members
+                        else self._bucket(members) for members in groups]
+        if views:
+            for bucket in self.buckets:
+                self._view(bucket)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
         self._next = 0  # the next bucket to start, in bucket order
         self._marked = [False] * len(self.arrays)
@@ -157,14 +168,18 @@ class GradSync:
 
     # -- building ------------------------------------------------------------------------------
 
+    def _solo(self, members: list) -> bool:
+        """Whether a bucket of ``members`` is the one array's own memory, reduced in place."""
+        return len(members) == 1 and self.codec is None and self.topk is None \
+            and self.arrays[members[0]].nbytes >= self._solo_bytes
+
     def _bucket(self, members: list) -> _Bucket:
         offsets, total = [], 0
         for index in members:
             offsets.append(total)
             total += self.arrays[index].size
         first = self.arrays[members[0]]
-        solo = len(members) == 1 and self.codec is None and self.topk is None \
-            and first.nbytes >= self._solo_bytes
+        solo = self._solo(members)
         flat = first.reshape(-1) if solo else np.empty(total, first.dtype)
         bucket = _Bucket(members, offsets, flat, solo=solo)
         if self.topk is not None:
@@ -188,6 +203,15 @@ class GradSync:
                 bucket.plan = api.plan(MPI.IN_PLACE, bucket.flat, op=self.op, comm=self.comm,
                                        algorithm=self.algorithm)
         return bucket
+
+    def _view(self, bucket: _Bucket) -> None:
+        """Make the bucket's members views of its flat buffer, holding their values."""
+        if bucket.solo:
+            return
+        for index, (array, part) in zip(bucket.members, list(_views(bucket, self.arrays))):
+            np.copyto(part, array.reshape(-1))
+            self.arrays[index] = np.asarray(part).reshape(array.shape)
+        bucket.viewed = True
 
     @property
     def payload_bytes(self) -> int:
@@ -226,7 +250,7 @@ class GradSync:
             self._next += 1
 
     def _start(self, bucket: _Bucket) -> None:
-        if not bucket.solo:
+        if not bucket.solo and not bucket.viewed:
             for array, view in _views(bucket, self.arrays):
                 np.copyto(view, array.reshape(-1))
         nranks = self.comm.Get_size()
@@ -262,7 +286,7 @@ class GradSync:
                     bucket.request.wait()
                 if self.codec is not None:
                     np.copyto(bucket.flat, codecs.decoded(self.codec.decode, bucket.words))
-                if not bucket.solo:
+                if not bucket.solo and not bucket.viewed:
                     for array, view in _views(bucket, self.arrays):
                         np.copyto(array.reshape(-1), view)
             elapsed = time.perf_counter() - self._step_start

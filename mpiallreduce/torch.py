@@ -22,7 +22,9 @@ hook reduces the bucket itself and returns a completed future.
 
 **Semantics** are PyTorch's own hooks' (``torch.distributed.algorithms.ddp_comm_hooks``):
 :func:`allreduce_hook` divides the bucket by the number of ranks, then sums (the bits of DDP
-with Gloo wherever the sum's order is the same, e.g. on two ranks); :func:`fp16_compress_hook`
+with Gloo wherever the sum's order is the same, e.g. on two ranks; where the number of ranks
+is a power of two it divides the sum instead, the same bits but for overflowing partial sums
+and values subnormal once divided, see ``_Reduction``); :func:`fp16_compress_hook`
 and :func:`bf16_compress_hook` cast the bucket to the 16-bit type, divide, sum and cast back.
 16-bit payloads (those hooks, and float16/bfloat16 models) travel as 16-bit words reduced by a
 user op that adds in float32 and rounds each partial sum to the 16-bit type, as Gloo's 16-bit
@@ -55,6 +57,7 @@ from ._checks import view
 from .api import plan as _plan
 from .compression import TopK
 from .nonblocking import start
+from .ops import AVG
 
 __all__ = ["Bucket", "State", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
            "init_process_group", "topk_hook"]
@@ -233,6 +236,12 @@ class _Reduction:
     ``wire`` None: the payload is the buffer itself, reduced in place. Otherwise a tensor of
     the wire dtype kept for the bucket: the buffer is cast into it and back. 16-bit payloads
     are reduced as their words (``uint16``) with the codec's float32-adding op.
+
+    PyTorch's hooks divide by p, then sum. Where p is a power of two, the plan divides as it
+    reduces instead (``mar.AVG``: shm divides each chunk of the sum while it is in the caches),
+    saving a pass over the bucket. The bits are the same (scaling by a power of two is exact)
+    unless a partial sum overflows where its p-th would not, or a value is subnormal once
+    divided (below p times the smallest normal number: 2^-126 p in float32).
     """
 
     wire: torch.dtype | None = None
@@ -244,8 +253,11 @@ class _Reduction:
         self.payload = buffer if wire == buffer.dtype else torch.empty(buffer.numel(), dtype=wire)
         codec = _WORDS.get(wire)
         words = self.payload.view(torch.uint16) if codec is not None else self.payload
-        self.plan = _plan(MPI.IN_PLACE, view(words.detach(), "bucket"),
-                          op=MPI.SUM if codec is None else codec.op, comm=state.comm,
+        p = state.size
+        self.folded = codec is None and p & (p - 1) == 0 \
+            and (buffer.is_floating_point() or buffer.is_complex())
+        op = AVG if self.folded else MPI.SUM if codec is None else codec.op
+        self.plan = _plan(MPI.IN_PLACE, view(words.detach(), "bucket"), op=op, comm=state.comm,
                           algorithm=state.algorithm, timeout=state.timeout)
 
     def fits(self, buffer: torch.Tensor) -> bool:
@@ -254,7 +266,8 @@ class _Reduction:
     def start(self, buffer: torch.Tensor):
         if self.payload is not self.buffer:
             self.payload.copy_(self.buffer)
-        self.payload.div_(self.state.size)  # as PyTorch's hooks: divide, then sum
+        if not self.folded:
+            self.payload.div_(self.state.size)  # as PyTorch's hooks: divide, then sum
         return start(self.plan, self.state.timeout)
 
     def finish(self, request) -> torch.Tensor:

@@ -14,6 +14,8 @@ faster) and ``GradSync overlap=False/True`` forced. Prints, per mode, the median
 all rounds, its ratio to plain's median, and the spread (max / median over one round's steps,
 the worst round). Run it with ``OPENBLAS_NUM_THREADS=1`` and without (BLAS at its default
 thread count): issue 37's target is <= 1.0x plain in both, with and without overlap.
+``--views``: each GradSync mode trains a model of its own whose gradients are the sync's views
+of its buckets (``GradSync(views=True)``: nothing copied into the buckets or out).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
+    parser.add_argument("--views", action="store_true",
+                        help="GradSync(views=True): the gradients are views of its buckets")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     backprop = mlp(args, comm) if args.case == "mlp" else layers(args, comm)
@@ -92,11 +96,15 @@ def main(argv=None) -> int:
     syncs = {}
     for label, overlap in (("GradSync (overlap='auto')", "auto"),
                            ("GradSync overlap=False", False), ("GradSync overlap=True", True)):
-        sync = syncs[label] = mar.GradSync(grads, comm, op=MPI.SUM, overlap=overlap,
-                                           bucket_bytes=args.bucket_bytes)
+        own = backprop
+        if args.views:  # a backprop of its own, writing into the sync's views of its buckets
+            own = mlp(args, comm) if args.case == "mlp" else layers(args, comm)
+        sync = syncs[label] = mar.GradSync(own.grads, comm, op=MPI.SUM, overlap=overlap,
+                                           bucket_bytes=args.bucket_bytes, views=args.views)
+        own.grads[:] = sync.arrays
 
-        def step(sync=sync):
-            backprop(sync.ready)
+        def step(sync=sync, own=own):
+            own(sync.ready)
             sync.wait()
         modes[label] = step
     times: dict[str, list[list[float]]] = {label: [] for label in modes}
@@ -116,7 +124,8 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         gbytes = sum(g.nbytes for g in grads)
         threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
-        print(f"# case {args.case}, load {os.getloadavg()[0]:.1f}; {comm.size} ranks, "
+        print(f"# case {args.case}, views={args.views}, load {os.getloadavg()[0]:.1f}; "
+              f"{comm.size} ranks, "
               f"gradients {gbytes / 2**20:.1f} MiB in {len(grads)} arrays, "
               f"{args.rounds} rounds x {args.steps} steps, OPENBLAS_NUM_THREADS={threads}")
         base = statistics.median(t for r in times["plain comm.Allreduce loop"] for t in r)

@@ -11,12 +11,16 @@ Two parts, each in interleaved rounds (every way once per round, in turn), media
    Target: hook / Gloo <= 0.5 at 64 KiB-64 MiB.
 2. **A training step** of examples/torch_ddp.py's model (``--hidden``), ``--steps`` steps per
    way per round: ``local`` (the model alone, no all-reduce: the compute), DDP on ``gloo``, DDP
-   with the ``hook``, and ``GradSync`` (the model alone, each parameter's gradient marked ready
-   by a post-accumulate hook, ``overlap=True``, waited before the update), ``GradSync-serial``
-   (the same with ``overlap=False``) and ``plain`` (the loop GradSync replaces: after backward,
-   ``comm.Allreduce(MPI.IN_PLACE, g)`` per gradient, then divided by p). Targets: hook step /
-   Gloo step <= 0.7; visible communication (step - local step) of GradSync <= 0.5x Gloo's;
-   GradSync's step <= the plain loop's, with and without overlap.
+   with the ``hook``, both again with ``gradient_as_bucket_view=True`` (``+view``: DDP's
+   gradients are views of its buckets, so it copies nothing into them and back), and
+   ``GradSync`` (the model alone, each parameter's gradient marked ready by a
+   post-accumulate hook, ``overlap=True``, waited before the update), ``GradSync-serial``
+   (the same with ``overlap=False``), both again with ``+views`` (the gradients views of the
+   sync's buckets: ``GradSync(views=True)``) and ``plain`` (the loop GradSync replaces: after
+   backward, ``comm.Allreduce(MPI.IN_PLACE, g)`` per gradient, then divided by p). Targets:
+   hook step / Gloo step <= 0.7 (DDP's options alike for both); visible communication (step -
+   local step) of GradSync <= 0.5x Gloo's; GradSync's step <= the plain loop's, with and
+   without overlap.
 
 Prints the medians and ratios (rank 0; every rank's step ends together); says "target met" or
 "target NOT met" per line. Set ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` as you measure
@@ -76,16 +80,22 @@ class Way:
         for p in params:  # gradients in fixed memory (GradSync binds to it)
             p.grad = torch.zeros_like(p)
         self.net, self.sync, self.state, self.plain = self.model, None, None, None
-        if name in ("gloo", "hook"):
-            self.net = torch.nn.parallel.DistributedDataParallel(self.model)
-        if name == "hook":
+        if name.startswith(("gloo", "hook")):
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, gradient_as_bucket_view=name.endswith("+view"))
+        if name.startswith("hook"):
             self.state = mar.torch.State(comm)
             self.net.register_comm_hook(self.state, mar.torch.allreduce_hook)
         if name == "plain":  # the loop GradSync replaces: MPI's in-place Allreduce per gradient
             self.plain = [(p.grad.numpy(), comm) for p in params]
         if name.startswith("GradSync"):
+            views = name.endswith("+views")
             self.sync = mar.GradSync([p.grad for p in params], comm, op=mar.AVG,
-                                     overlap=name == "GradSync")
+                                     overlap=not name.startswith("GradSync-serial"),
+                                     views=views)
+            if views:  # the gradients live in the sync's buckets
+                for p, array in zip(params, self.sync.arrays):
+                    p.grad = torch.from_numpy(array)
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(lambda _, i=i: self.sync.ready(i))
         self.optimizer = torch.optim.SGD(params, lr=args.lr)
@@ -116,7 +126,8 @@ class Way:
 
 def step_times(args, comm) -> dict:
     ways = [Way(name, args, comm)
-            for name in ("local", "gloo", "hook", "GradSync", "GradSync-serial", "plain")]
+            for name in ("local", "gloo", "hook", "gloo+view", "hook+view", "GradSync",
+                         "GradSync-serial", "GradSync+views", "GradSync-serial+views", "plain")]
     for way in ways:  # DDP rebuilds its buckets after its first step; plans bind
         for _ in range(3):
             way.step()
@@ -164,14 +175,16 @@ def main(argv=None) -> int:
               f"{args.batch} per rank), ms")
         for name, value in steps.items():
             print(f"{name:>16s} {value * 1e3:10.2f}")
-        ratio = steps["hook"] / steps["gloo"]
-        print(f"hook step / gloo step = {ratio:.2f}  {verdict(ratio, 0.7)} (<= 0.7)")
+        for suffix in ("", "+view"):
+            ratio = steps["hook" + suffix] / steps["gloo" + suffix]
+            print(f"hook{suffix} step / gloo{suffix} step = {ratio:.2f}  {verdict(ratio, 0.7)} "
+                  f"(<= 0.7)")
         visible = {name: steps[name] - steps["local"] for name in ("gloo", "hook", "GradSync")}
         for name in ("hook", "GradSync"):
             ratio = visible[name] / visible["gloo"]
             print(f"visible communication, {name} / gloo = {visible[name] * 1e3:.2f} / "
                   f"{visible['gloo'] * 1e3:.2f} ms = {ratio:.2f}  {verdict(ratio, 0.5)} (<= 0.5)")
-        for name in ("GradSync", "GradSync-serial"):
+        for name in ("GradSync", "GradSync-serial", "GradSync+views", "GradSync-serial+views"):
             ratio = steps[name] / steps["plain"]
             print(f"{name} step / plain Allreduce loop step = {ratio:.2f}  "
                   f"{verdict(ratio, 1.0)} (<= 1.0)")

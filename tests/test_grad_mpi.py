@@ -205,6 +205,62 @@ def test_on_one_node_large_gradients_are_packed_into_shared_buckets(algorithm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("compression", [None, "fp16"])
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_views_are_the_buckets_and_hold_the_results(algorithm, compression):
+    """``views=True``: the arrays become views of the buckets holding their values (nothing to
+    copy in or out); gradients written there sum as comm.Allreduce sums them, step after
+    step; a solo array stays the caller's."""
+    comm = MPI.COMM_WORLD
+    shapes = [((300, 70), "float64"), ((7,), "float64"), ((50, 3), "float64"),
+              ((400, 400), "float64")]
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, compression=compression,
+                      solo_bytes=1 << 20, views=True) as sync:
+        for got, g in zip(sync.arrays, grads):
+            assert type(got) is np.ndarray and got.shape == g.shape and np.array_equal(got, g)
+        for bucket in sync.buckets:
+            for i in bucket.members:
+                assert np.shares_memory(sync.arrays[i], bucket.flat)
+                assert np.shares_memory(sync.arrays[i], grads[i]) == bucket.solo
+        for step in range(3):
+            fresh = _grads(comm, step + 1, integer_valued=True, shapes=shapes)
+            for array, f in zip(sync.arrays, fresh):
+                array[...] = f
+            for got, f in zip(sync.synchronize(), fresh):
+                assert np.array_equal(got, _reference(comm, f, MPI.SUM))
+
+
+@pytest.mark.mpi
+def test_plans_bound_on_gradients_are_only_those_kept_or_the_one_probe(monkeypatch):
+    """Where the plans run shm, GradSync learns it from the first solo array's plan and packs
+    every array before binding any other: one plan on a gradient's own memory, freed (before,
+    every large gradient got one, all freed); elsewhere each large gradient keeps its own."""
+    comm = MPI.COMM_WORLD
+    shapes = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64"),
+              ((250, 50), "float64")]
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    on_gradients = []
+    plan = mar.api.plan
+
+    def counted(sendbuf, recvbuf=None, *args, **kwargs):
+        buffer = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
+        on_gradients.append(any(np.shares_memory(buffer, g) for g in grads))
+        return plan(sendbuf, recvbuf, *args, **kwargs)
+
+    monkeypatch.setattr(mar.api, "plan", counted)
+    with mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024) as sync:
+        shm = sync.buckets[0].plan.algorithm == "shm"
+        assert sum(on_gradients) == (1 if shm else 3)
+        assert sum(b.solo for b in sync.buckets) == (0 if shm else 3)
+        fresh = _grads(comm, 1, integer_valued=True, shapes=shapes)
+        for g, f in zip(grads, fresh):
+            g[...] = f
+        for got, f in zip(sync.synchronize(), fresh):
+            assert np.array_equal(got, _reference(comm, f, MPI.SUM))
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("overlap", [True, False, "auto"])
 @pytest.mark.parametrize("algorithm", ["native", "ring"])
 def test_every_overlap_mode_gives_the_sum(overlap, algorithm):

@@ -96,6 +96,36 @@ def test_allreduce_hook_equals_gloo(state, count, dtype, exact):
     assert_on_every_rank(WORLD, _compare(ours, theirs, exact), ours.view(torch.uint8).numpy())
 
 
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "tree"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("count", [1001, 1 << 18])
+def test_the_division_folded_into_the_sum_keeps_divide_then_sums_bits(algorithm, dtype, count):
+    """Where p is a power of two the hook divides the sum (mar.AVG, no pass of its own over the
+    bucket): bit for bit the sum of the divided values by the same algorithm, for values
+    spanning 2^-100..2^100 (neither subnormal once divided nor overflowing)."""
+    comm = WORLD.Dup()
+    if mar.Topology.from_comm(comm).nnodes > 1 and algorithm == "shm":
+        algorithm = "ring"  # simulated nodes: shm refuses
+    g = torch.Generator().manual_seed(WORLD.rank)
+    x = (torch.randn(count, generator=g, dtype=torch.float64)
+         * 2.0 ** torch.randint(-100, 101, (count,), generator=g)).to(dtype)
+    state = mart.State(comm, algorithm=algorithm, abort_on_error=False)
+    try:
+        ours = mart.allreduce_hook(state, mart.Bucket(0, x.clone())).wait()
+        folded = state._reductions["allreduce", 0].folded
+    finally:
+        state.free()
+    ref = x.div(comm.size).numpy()
+    mar.allreduce(MPI.IN_PLACE, ref, comm=comm, algorithm=algorithm)
+    comm.Free()
+    problem = None
+    if folded != (WORLD.size & (WORLD.size - 1) == 0):
+        problem = f"folded {folded} at p = {WORLD.size}"
+    elif not torch.equal(ours, torch.from_numpy(ref)):
+        problem = f"rank {WORLD.rank}: {(ours != torch.from_numpy(ref)).sum()} elements differ"
+    assert_on_every_rank(WORLD, problem)
+
+
 def test_allreduce_hook_64_mib_bucket(state):
     ours, theirs = _run_hook(mart.allreduce_hook, state, COUNTS[-1], torch.float32, exact=True)
     assert_on_every_rank(WORLD, _compare(ours, theirs, True))
@@ -228,12 +258,14 @@ def test_init_process_group_matches_the_communicator():
 
 # -- DDP, end to end ---------------------------------------------------------------------------------
 
-def _train(dtype, hook, steps=3):
+def _train(dtype, hook, steps=3, view=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 5)).to(dtype)
-    # small buckets, so that the model's gradients make several
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
+    # small buckets, so that the model's gradients make several; ``view``: the gradients are
+    # views of the buckets, which the hook reduces in place (DDP copies nothing back)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005,
+                                                    gradient_as_bucket_view=view)
     state = None
     if hook is not None:
         state = mart.State(WORLD, abort_on_error=False)
@@ -251,9 +283,10 @@ def _train(dtype, hook, steps=3):
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["copies", "bucket-views"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_ddp_with_the_hook_trains_as_ddp_with_gloo(dtype):
-    ours, theirs = _train(dtype, mart.allreduce_hook), _train(dtype, None)
+def test_ddp_with_the_hook_trains_as_ddp_with_gloo(dtype, view):
+    ours, theirs = _train(dtype, mart.allreduce_hook, view=view), _train(dtype, None, view=view)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     problem = None
     if not torch.allclose(ours, theirs, rtol=tol, atol=tol):
