@@ -343,7 +343,8 @@ def test_the_non_blocking_entry_points_are_the_selected_form():
 def test_the_compiled_start_runs_a_small_shm_plan_itself_and_hands_every_other_start_on():
     """The compiled ``start`` runs a small shm plan without deadline itself (reading the plan's
     fields from its instance dict) once the first start made its complete request, and hands
-    the Python ``start`` a plan with a timeout of its own, or one whose communicator broke (which refuses it: ValueError on every rank)."""
+    the Python ``start`` a plan with a timeout of its own, or one whose communicator broke
+    (which refuses it: ValueError on every rank)."""
     comm = MPI.COMM_WORLD
     if _form.compiled is None or comm.size < 2:
         pytest.skip("the compiled start's own branch runs where the compiled form builds "
