@@ -18,7 +18,8 @@ In the compiled form ``wait_until`` is its twin, ``_compiled.wait_until`` (the s
 ``ready`` at the same pace, no generator between them). ``poll`` tests MPI requests with it;
 ``wait_or_fail`` turns a missed deadline into the caller's failure (the communicator marked
 unusable, CollectiveTimeout raised); ``meet`` is the one non-blocking barrier before a
-collective set-up step. ``patience`` is the pace of ``wait_until`` as a generator (for loops that do more than one test per round).
+collective set-up step. ``patience`` is the pace of ``wait_until`` as a generator (for loops
+that do more than one test per round).
 ``check_timeout`` is the one check of a ``timeout=`` argument. ``unanswered`` words what a
 timeout message says of the ranks a schedule's step waits for; :data:`MPI_CANNOT_SAY` what it
 says where MPI's own collective was waited for.
