@@ -748,19 +748,25 @@ cdef class SmallRun:
     cdef int run_at(self, timeout, const char *source, char *result) except -1:
         """The run, with ``source`` and ``result`` in place of the plan's own arrays (the
         same size and element type; they may be one array: in place). Only where
-        :attr:`takes_pointers`; the caller checks the memory (:func:`run_shape`)."""
+        :attr:`takes_pointers`; the caller checks the memory (:func:`run_shape`).
+
+        A timed run reads the clock only where it waits: for its turn, or past the spin (a
+        peer not there within it). Its deadline counts ``timeout`` from that reading, so it
+        lies at most the spin's few microseconds past the Python form's (from the start of
+        the run), and never before it."""
         cdef object node = self.node
         cdef NodeFields fields = self.fields
         cdef int64_t epoch, target
         cdef Py_ssize_t parity, q
-        cdef double deadline = 0.0
+        cdef double deadline = 0.0  # 0: not read yet (see above)
+        cdef double seconds = timeout if self.timed else 0.0
         cdef bint arrived
-        if self.timed:
-            deadline = monotonic() + timeout
         epoch = fields.epoch + 1
         fields.epoch = epoch
         try:
             if fields.finished != epoch - 1:
+                if self.timed:
+                    deadline = monotonic() + seconds
                 node.turn(epoch, deadline if self.timed else None, self.label)
             parity = epoch & 1
             if self.reduce_kind == REDUCE_PYTHON:
@@ -775,7 +781,7 @@ cdef class SmallRun:
                 self.sync()
             mar_store_release(self.header, 2 * epoch)  # arrived
             target = 2 * epoch - 1
-            arrived = self.spin(target, deadline)
+            arrived = self.spin(target, &deadline, seconds)
             if not arrived:  # the Python form's wait: to the deadline, naming who is missing
                 self.arrive(node, epoch, 2 * epoch, timeout, deadline if self.timed else None, 0)
             else:
@@ -792,10 +798,11 @@ cdef class SmallRun:
             fields.finished = epoch
         return 0
 
-    cdef bint spin(self, int64_t target, double deadline) noexcept:
+    cdef bint spin(self, int64_t target, double *deadline, double seconds) noexcept:
         """Wait until every peer's counter reaches ``target``: spin (``spins`` pauses), then
         yield the core (and the GIL, as ``os.sched_yield`` does) between reads for up to
-        :data:`YIELD_SECONDS` (or to the deadline); False if some peer is still missing then."""
+        :data:`YIELD_SECONDS` (or to ``deadline[0]``, ``seconds`` from the first yield where
+        a timed run has not read it yet); False if some peer is still missing then."""
         cdef Py_ssize_t q
         cdef int spins = 0
         cdef double started = 0.0, now
@@ -808,7 +815,9 @@ cdef class SmallRun:
                 now = monotonic()
                 if started == 0.0:
                     started = now
-                elif now - started > YIELD_SECONDS or (self.timed and now > deadline):
+                    if self.timed and deadline[0] == 0.0:
+                        deadline[0] = now + seconds
+                elif now - started > YIELD_SECONDS or (self.timed and now > deadline[0]):
                     return False
                 with nogil:
                     sched_yield()
