@@ -72,9 +72,7 @@ class Trainer:
     def step(self, index: int) -> None:
         x, y = self.data[index]
         start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(self.ddp(x), y)
-        self.optimizer.zero_grad()
-        loss.backward()
+        loss = forward_backward(self.ddp, self.optimizer, x, y)
         self.optimizer.step()
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.item())
@@ -82,6 +80,27 @@ class Trainer:
     def free(self) -> None:
         if self.state is not None:
             self.state.free()
+
+
+def forward_backward(net, optimizer, x, y, set_to_none: bool = True):
+    """One step's gradients: zeroed, then the loss of ``net`` on ``(x, y)`` back-propagated
+    (DDP reduces the gradients during it); returns the loss."""
+    optimizer.zero_grad(set_to_none=set_to_none)
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    return loss
+
+
+def timed_step(net, optimizer, batch, between=None) -> float:
+    """Seconds of one training step on ``batch`` with zeroed gradients kept allocated (as the
+    scripts that time steps run it): gradients, then ``between()`` if given (a reduction of
+    the gradients outside DDP), then the optimizer's step."""
+    start = time.perf_counter()
+    forward_backward(net, optimizer, *batch, set_to_none=False)
+    if between is not None:
+        between()
+    optimizer.step()
+    return time.perf_counter() - start
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:

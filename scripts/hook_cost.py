@@ -24,6 +24,7 @@ gradients are views of the buckets: no copy into them and back); ``+capN``:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pathlib
 import statistics
@@ -38,7 +39,7 @@ import mpiallreduce.torch as mt
 from mpiallreduce._checks import view
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from torch_ddp import batches, build, model_arguments  # noqa: E402 - the example's model
+from torch_ddp import batches, build, model_arguments, timed_step  # noqa: E402 - the example's model
 
 LARGE = 2048 * 2048 + 2048 + 1024 * 2048  # the example's large bucket, float32 elements
 
@@ -173,17 +174,10 @@ class Way:
                 self.state = mt.State(comm)
                 self.net.register_comm_hook(self.state, hook)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=args.lr)
-        self.data = list(batches(comm, 4, args.batch, args.inputs))
-        self.count = 0
+        self.data = itertools.cycle(list(batches(comm, 4, args.batch, args.inputs)))
 
     def step(self) -> float:
-        x, y = self.data[self.count % len(self.data)]
-        self.count += 1
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
-        torch.nn.functional.cross_entropy(self.net(x), y).backward()
-        self.optimizer.step()
-        return time.perf_counter() - start
+        return timed_step(self.net, self.optimizer, next(self.data))
 
 
 def steps(args, comm) -> dict:

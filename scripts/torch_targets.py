@@ -30,6 +30,7 @@ Prints the medians and ratios (rank 0; every rank's step ends together); says "t
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pathlib
 import statistics
@@ -44,7 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import mpiallreduce as mar
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from torch_ddp import batches, build, model_arguments  # noqa: E402 - the example's model
+from torch_ddp import batches, build, model_arguments, timed_step  # noqa: E402 - the example's model
 
 SIZES = {"64K": 64 << 10, "1M": 1 << 20, "8M": 8 << 20, "64M": 64 << 20}
 
@@ -99,23 +100,19 @@ class Way:
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(lambda _, i=i: self.sync.ready(i))
         self.optimizer = torch.optim.SGD(params, lr=args.lr)
-        self.data = list(batches(comm, 4, args.batch, args.inputs))
-        self.count = 0
+        self.data = itertools.cycle(list(batches(comm, 4, args.batch, args.inputs)))
 
     def step(self) -> float:
-        x, y = self.data[self.count % len(self.data)]
-        self.count += 1
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
-        torch.nn.functional.cross_entropy(self.net(x), y).backward()
+        return timed_step(self.net, self.optimizer, next(self.data), self.reduce)
+
+    def reduce(self) -> None:
+        """The gradients' reduction outside DDP: GradSync's wait, or the plain loop."""
         if self.sync is not None:
             self.sync.wait()
         if self.plain is not None:
             for grad, comm in self.plain:
                 comm.Allreduce(MPI.IN_PLACE, grad, MPI.SUM)
                 grad /= comm.Get_size()
-        self.optimizer.step()
-        return time.perf_counter() - start
 
     def free(self):
         if self.state is not None:
