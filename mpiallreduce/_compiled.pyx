@@ -449,15 +449,15 @@ cdef object spec_of(spec, Py_ssize_t *count):
     return dtype
 
 
-def cached_call(Py_ssize_t kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check, timeout,
-                dict params):
+def cached_call(Py_ssize_t kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
+                timeout, dict params):
     """The compiled :func:`._plans.cached_call`."""
     return _cached_call(kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
                         timeout, params)
 
 
-cdef object _cached_call(Py_ssize_t kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology, check,
-                         timeout, dict params):
+cdef object _cached_call(Py_ssize_t kind, bind, sendbuf, recvbuf, op, comm, algorithm, topology,
+                         check, timeout, dict params):
     cdef object slot, entry, objects, direct
     cdef BoundFields e
     cdef type kind_of_timeout
@@ -536,8 +536,8 @@ cdef object _by_shape(sendbuf, recvbuf, op, comm, algorithm, topology, dict para
             return None
     elif not cnp.PyArray_CheckExact(recvbuf):
         return None
-    # _plans.shape_key, written out: (comm, op, algorithm, topology, dtype, count, in place,
-    # parameters)
+    # _plans.shape_key, written out: (ids of comm, op; algorithm; ids of topology, dtype; count,
+    # in place, parameters)
     key = (id_of(comm), id_of(op), algorithm, id_of(topology), id_of(dtype_of(like)),
            cnp.PyArray_SIZE(<cnp.ndarray>like), in_place, tuple(params.items()) if params else ())
     try:

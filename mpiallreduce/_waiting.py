@@ -116,7 +116,13 @@ def poll(requests, deadline: float | None) -> bool:
     Tests :data:`BUSY_TESTS` times back to back (a short collective completes within a few
     tests), then at the pace of :func:`patience` (:func:`wait_until`).
     """
-    return wait_until(partial(_TESTALL, requests), deadline)
+    return wait_until(tested(requests), deadline)
+
+
+def tested(requests):
+    """The ``ready()`` of a wait for ``requests``: ``Testall`` bound to them (a poll through
+    the compiled :func:`wait_until` then runs no Python frame per test)."""
+    return partial(_TESTALL, requests)
 
 
 _TESTALL = MPI.Request.Testall

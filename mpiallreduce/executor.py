@@ -33,6 +33,7 @@ from ._waiting import (  # noqa: F401 - as the package imports them from here
     check_timeout,
     patience,
     poll,
+    tested,
     unanswered,
     wait_or_fail,
     wait_until,
@@ -41,8 +42,6 @@ from .errors import CollectiveTimeout
 from .ops import SCRATCH_COMBINE, Reducer
 from .partition import segments
 from .schedule import COPY, Step
-
-_TESTALL = MPI.Request.Testall
 
 #: tags per plan: a step's tag is ``tag_base + index % STEP_TAGS``. Each plan gets its own block
 #: of tags (its *slot*, see :mod:`._state`), so the messages of two plans never match each other;
@@ -324,8 +323,7 @@ class Plan(_PlanBase):
                 self._posted, self._first_requests = len(calls), requests
             calls += pending
             if timed:
-                calls.append(partial(self._poll_step, partial(_TESTALL, requests), requests,
-                                     bound))
+                calls.append(partial(self._poll_step, tested(requests), requests, bound))
             elif posted:
                 calls += phase("wait", bound.index, [partial(waitall, requests)])
             elif len(requests) <= SINGLE_REQUESTS:
@@ -572,9 +570,10 @@ class Plan(_PlanBase):
                                if not request.Get_status()} - {*not_sent})
         return bound.index, not_sent, not_received
 
-    def _poll_step(self, tested, requests, bound: _BoundStep) -> None:
-        """A step's wait in ``_fast_timed``: ``tested()`` to the deadline, else :meth:`expire`."""
-        if not wait_until(tested, self._deadline):
+    def _poll_step(self, ready, requests, bound: _BoundStep) -> None:
+        """A step's wait in ``_fast_timed``: ``ready()`` (its requests ``tested``) to the
+        deadline, else :meth:`expire`."""
+        if not wait_until(ready, self._deadline):
             self.expire(requests, bound, self._timeout)
 
     def expire(self, requests, bound: _BoundStep | None, timeout: float) -> None:
