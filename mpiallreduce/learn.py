@@ -5,9 +5,13 @@ With ``MPIALLREDUCE_LEARN=on`` (:func:`.select.learn_settings`), a repeated ``au
 bucket, in place or not, op commutative, whether MPI saturates the op on the dtype, dtype,
 topology passed). The rules' choice is the first guess; :func:`.select.learn_candidates` adds
 native, ``shm`` on one node and the model's leading schedules (a handful at most). The case's
-:class:`Record` then hands its calls to the candidates in turn, one call each, round after
-round: a first untimed round (pages, connections), then ``runs`` timed ones (interleaved, so a
-burst of load hits every candidate alike). A one-shot call's candidate is timed with the
+:class:`Record` then hands its calls to the candidates in turn, ``runs`` rounds, two calls in a
+row each: an untimed one, which brings the candidate's buffers, windows and connections back
+into the caches after the other candidates' calls (the first also touches its pages), then a
+timed one. So each candidate is timed warm, as a repeated call runs it; rounds interleave, so
+a burst of load hits every candidate alike. (Timed straight after another candidate's call,
+``shm`` in place at 256 KiB-2 MiB lost to native and the ring by 1.2-1.6x on the VM of
+2026-12-03, which ran it 1.2-1.6x faster repeated.) A one-shot call's candidate is timed with the
 argument check it will pay once bound (one more check, except for ``shm``, whose run checks
 the arguments itself). After the last, every rank takes each candidate's least time, one
 ``Allreduce(MAX)`` on the private communicator makes them the slowest rank's, and the fastest
@@ -23,7 +27,7 @@ A plan (``mar.plan``) learns in its own runs and then runs the winner's ``run`` 
 ``MPIALLREDUCE_RELEARN_EVERY=N`` times the case again after N further calls (the learning plan
 stays in the path then, at the cost of a counter per call).
 
-Cost: the first ``(runs + 1) * len(candidates)`` calls of a case run the candidates (each
+Cost: the first ``2 * runs * len(candidates)`` calls of a case run the candidates (each
 call one run of one of them, plus a timer) and the last adds one ``Allreduce`` of
 ``len(candidates)`` doubles; :func:`learned` reports the calls and seconds each case took.
 :func:`save` writes what was learned as a measured table (:mod:`.select`'s format).
@@ -48,6 +52,8 @@ from .executor import _PlanBase
 LEARNING = "learn"
 #: the calls that learn (blocking allreduce calls and plans; non-blocking ones use the rules).
 LEARNS = ("allreduce", "plan")
+#: untimed calls of a candidate right before each of its timed ones (its caches warmed).
+WARM_UPS = 1
 
 class Record:
     """One case's learning: its candidates, this rank's timings, the agreed choice."""
@@ -73,13 +79,14 @@ class Record:
 
     @property
     def total(self) -> int:
-        """Calls of one round of learning."""
-        return len(self.candidates) * (self.runs + 1)
+        """Calls of one learning: ``runs`` rounds of warm-ups and a timed call per candidate."""
+        return len(self.candidates) * self.runs * (WARM_UPS + 1)
 
     def due(self) -> tuple[str, bool]:
-        """The candidate this call runs, and whether it is timed (not the first round)."""
-        count = len(self.candidates)
-        return self.candidates[self.calls % count], self.calls >= count
+        """The candidate this call runs, and whether it is timed (the last of its calls in a
+        row: the ones before warm it up)."""
+        block, within = divmod(self.calls, WARM_UPS + 1)
+        return self.candidates[block % len(self.candidates)], within == WARM_UPS
 
     def ran(self, name: str, seconds: float, timed: bool) -> None:
         self.calls += 1

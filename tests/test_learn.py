@@ -94,3 +94,19 @@ def test_a_table_keeps_in_place_ranges_of_their_own():
         select.parse({"format": select.FORMAT, "provenance": {}, "tables": [{
             "nranks": 2, "classes": {"noncommutative_in_place": [
                 {"min_bytes": 0, "max_bytes": None, "algorithm": "ring"}]}}]})
+
+
+def test_each_candidate_is_timed_on_the_call_after_one_of_its_own():
+    """A timed call follows an untimed call of the same candidate (its caches warm, as repeated
+    calls run it), never straight after another candidate's; rounds interleave the candidates."""
+    from mpiallreduce import learn
+
+    record = learn.Record(("key",), ("shm", "native", "ring"), "shm", runs=2, relearn=0)
+    sequence = []
+    while record.calls < record.total:
+        name, timed = record.due()
+        sequence.append((name, timed))
+        record.ran(name, 1e-6, timed)
+    assert sequence == [step for _ in range(2) for name in ("shm", "native", "ring")
+                        for step in [(name, False), (name, True)]]
+    assert all(len(samples) == 2 for samples in record.samples.values())

@@ -48,7 +48,7 @@ def _records(comm) -> list[learn.Record]:
 
 
 def _enough(comm) -> int:
-    """Calls that finish learning any case (candidates x (runs + 1)), and some more."""
+    """Calls that finish learning any case (candidates x 2 calls x 1 run), and some more."""
     return select.LEARN_CANDIDATES * 2 + 3
 
 
