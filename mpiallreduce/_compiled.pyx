@@ -103,9 +103,21 @@ cdef int pause_for(double seconds) except -1:
 def wait_until(ready, deadline, on_timeout=None, *, spin=None, yield_seconds=None):
     """The compiled :func:`._waiting.wait_until` (its docstring says what it does): the same
     calls of ``ready()`` at the same pace, with no generator or Python frame of its own between
-    them (a poll of MPI requests, ``partial(Testall, requests)``, runs no bytecode at all)."""
-    cdef Py_ssize_t i, spins = _BUSY_TESTS if spin is None else spin
-    cdef double yielding = _SPIN_SECONDS if yield_seconds is None else yield_seconds
+    them (a poll of MPI requests, ``EachTested`` or ``partial(Testall, requests)``, runs no
+    bytecode at all)."""
+    if wait(ready, deadline, _BUSY_TESTS if spin is None else spin,
+            _SPIN_SECONDS if yield_seconds is None else yield_seconds):
+        return True
+    if on_timeout is not None:
+        on_timeout()
+        raise AssertionError("on_timeout() must raise")
+    return False
+
+
+cdef bint wait(ready, deadline, Py_ssize_t spins, double yielding) except -1:
+    """:func:`wait_until`'s loop: whether ``ready()`` turned true by ``deadline`` (None: it
+    waits forever)."""
+    cdef Py_ssize_t i
     cdef bint forever = deadline is None
     cdef double limit = 0.0 if forever else deadline
     cdef double now, until, pause = 5e-5
@@ -130,12 +142,44 @@ def wait_until(ready, deadline, on_timeout=None, *, spin=None, yield_seconds=Non
         if ready():
             return True
         now = monotonic()
-    if ready():
+    return bool(ready())
+
+
+cdef class PolledStep:
+    """Twin of ``partial(plan._poll_step, ready, requests, bound)`` (``executor.Plan``): a step's
+    wait in a run with a deadline, ``ready()`` to the plan's ``_deadline``, else
+    ``plan.expire(requests, bound, plan._timeout)``, with no Python frame of its own."""
+
+    cdef object plan, ready, requests, bound
+
+    def __init__(self, plan, ready, requests, bound):
+        self.plan, self.ready, self.requests, self.bound = plan, ready, requests, bound
+
+    def __call__(self):
+        cdef dict fields = <dict>PyObject_GenericGetDict(self.plan, NULL)
+        if not wait(self.ready, fields["_deadline"], _BUSY_TESTS, _SPIN_SECONDS):
+            self.plan.expire(self.requests, self.bound, fields["_timeout"])
+
+
+cdef class EachTested:
+    """Twin of :class:`._waiting.EachTested` (its docstring says what it does)."""
+
+    cdef tuple tests
+    cdef Py_ssize_t done
+
+    def __init__(self, requests):
+        self.tests = tuple([request.Test for request in reversed(requests)])
+        self.done = 0
+
+    def __call__(self):
+        cdef Py_ssize_t done = self.done, count = len(self.tests)
+        while done < count:
+            if not self.tests[done]():
+                self.done = done
+                return False
+            done += 1
+        self.done = 0
         return True
-    if on_timeout is not None:
-        on_timeout()
-        raise AssertionError("on_timeout() must raise")
-    return False
 
 
 # -- the call path (twin of _plans.cached_call) -----------------------------------------------------

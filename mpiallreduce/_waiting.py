@@ -120,12 +120,43 @@ def poll(requests, deadline: float | None) -> bool:
 
 
 def tested(requests):
-    """The ``ready()`` of a wait for ``requests``: ``Testall`` bound to them (a poll through
-    the compiled :func:`wait_until` then runs no Python frame per test)."""
+    """The ``ready()`` of a wait for ``requests``: up to :data:`EACH_MOST` of them, each one's
+    own ``Test`` in turn (:class:`EachTested`), more through ``Testall`` bound to them (a poll
+    through the compiled :func:`wait_until` then runs no Python frame per test)."""
+    if len(requests) <= EACH_MOST:
+        return EachTested(requests)
     return partial(_TESTALL, requests)
 
 
 _TESTALL = MPI.Request.Testall
+#: most requests a wait tests one by one: ``Testall`` builds a C array from the list on every
+#: call (0.5 µs for two requests on the VM of 2026-12-03), a ``Test`` takes 0.13 µs.
+EACH_MOST = 4
+
+
+class EachTested:
+    """``ready()`` for a few requests: each one's ``Test``, the last first (the sends, posted
+    last, complete first), skipping those done in earlier calls; true once every one is done,
+    and from then it tests them all again (a persistent plan's next run reuses it). A test
+    completes its request on its own (as ``Wait`` does); the requests complete as with
+    ``Testall``. The compiled form has a twin, ``_compiled.EachTested``, which ``_waiting``
+    installs."""
+
+    __slots__ = ("tests", "done")
+
+    def __init__(self, requests):
+        self.tests = tuple(request.Test for request in reversed(requests))
+        self.done = 0
+
+    def __call__(self) -> bool:
+        tests, done = self.tests, self.done
+        while done < len(tests):
+            if not tests[done]():
+                self.done = done
+                return False
+            done += 1
+        self.done = 0
+        return True
 
 
 def wait_or_fail(requests, deadline: float, fail, reason) -> None:
@@ -187,8 +218,12 @@ def unanswered(step: int, not_sent, not_received, call: str = "this call",
             f"communicator in different orders)")
 
 
-if _form.compiled is not None:  # the compiled twin of wait_until (same calls, same pace)
+#: the Python form's (the reference the compiled twin is tested against)
+PythonEachTested = EachTested
+
+if _form.compiled is not None:  # the compiled twins of wait_until and EachTested
     _form.compiled.install_waiting(BUSY_TESTS, SPIN_SECONDS)
     _form.compiled.wait_until.__doc__ = wait_until.__doc__
     _form.compiled.wait_until.__wrapped__ = wait_until
     wait_until = _form.compiled.wait_until  # noqa: F811
+    EachTested = _form.compiled.EachTested  # noqa: F811

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from . import _hooks
+from . import _form, _hooks
 from ._binding import (  # noqa: F401 - flat and scratch_size are the package's names here too
     Layout,
     _BoundStep,
@@ -323,7 +323,7 @@ class Plan(_PlanBase):
                 self._posted, self._first_requests = len(calls), requests
             calls += pending
             if timed:
-                calls.append(partial(self._poll_step, tested(requests), requests, bound))
+                calls.append(polled_step(self, tested(requests), requests, bound))
             elif posted:
                 calls += phase("wait", bound.index, [partial(waitall, requests)])
             elif len(requests) <= SINGLE_REQUESTS:
@@ -594,3 +594,13 @@ class Plan(_PlanBase):
         self.fail(f"{where}: no answer from rank(s) {', '.join(map(str, peers))} in step {index} "
                   f"within {timeout:g} s: {unanswered(index, not_sent, not_received)}",
                   keep=(requests,))
+
+
+def polled_step(plan: Plan, ready, requests, bound: _BoundStep):
+    """A step's wait in ``plan._fast_timed``: :meth:`Plan._poll_step` bound to the step (the
+    compiled form's twin, ``_compiled.PolledStep``, runs it with no Python frame)."""
+    return partial(plan._poll_step, ready, requests, bound)
+
+
+if _form.compiled is not None:
+    polled_step = _form.compiled.PolledStep  # noqa: F811

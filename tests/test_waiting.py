@@ -5,10 +5,11 @@ where the extension is built) call ``ready`` alike and end alike."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 
-from mpiallreduce import _form, _waiting
+from mpiallreduce import _form, _waiting, executor
 
 PYTHON = getattr(_waiting.wait_until, "__wrapped__", _waiting.wait_until)
 FORMS = {"python": PYTHON}
@@ -94,3 +95,82 @@ def test_both_forms_call_ready_as_often_in_the_spin(wait_until):
     ready = Ready(11)
     assert wait_until(ready, None, spin=10, yield_seconds=0) is True
     assert ready.calls == 11
+
+
+# -- the ready() of a wait for a few requests, and a schedule's timed step -------------------------
+
+EACH = {"python": _waiting.PythonEachTested}
+if _form.compiled is not None:
+    EACH["compiled"] = _form.compiled.EachTested
+
+
+class FakeRequest:
+    """A request whose ``Test()`` turns true on its ``after``-th call, recording the order."""
+
+    def __init__(self, name, after, log):
+        self.name, self.after, self.calls, self.log = name, after, 0, log
+
+    def Test(self):  # noqa: N802 - MPI's name
+        self.calls += 1
+        self.log.append(self.name)
+        return self.calls >= self.after
+
+
+@pytest.mark.parametrize("form", list(EACH))
+def test_each_tested_asks_the_last_request_first_and_skips_the_done(form):
+    log = []
+    recv, send = FakeRequest("recv", 3, log), FakeRequest("send", 1, log)
+    ready = EACH[form]([recv, send])
+    assert ready() is False and ready() is False and ready() is True
+    # the send (posted last) first, done at once; then only the receive until it is done
+    assert log == ["send", "recv", "recv", "recv"]
+    log.clear()
+    assert ready() is True  # a next run (persistent requests) tests them all again
+    assert log == ["send", "recv"]
+
+
+@pytest.mark.parametrize("form", list(EACH))
+def test_each_tested_of_no_request_is_ready(form):
+    assert EACH[form]([])() is True
+
+
+def test_a_few_requests_are_tested_one_by_one_and_more_with_testall():
+    assert isinstance(_waiting.tested([FakeRequest("a", 1, [])] * _waiting.EACH_MOST),
+                      _waiting.EachTested)
+    assert not isinstance(_waiting.tested([FakeRequest("a", 1, [])] * (_waiting.EACH_MOST + 1)),
+                          _waiting.EachTested)
+
+
+class FakePlan:
+    """What a timed step reads of its plan: the run's deadline and timeout, and ``expire``."""
+
+    def __init__(self, deadline, timeout):
+        self._deadline, self._timeout, self.expired = deadline, timeout, []
+
+    def expire(self, requests, bound, timeout):
+        self.expired.append((requests, bound, timeout))
+        raise TimeoutError("expired")
+
+
+STEPS = {"python": lambda plan, *args: partial(executor.Plan._poll_step, plan, *args)}
+if _form.compiled is not None:
+    STEPS["compiled"] = _form.compiled.PolledStep
+
+
+def test_the_selected_timed_step_is_installed():
+    expected = _form.compiled.PolledStep if _form.compiled is not None else None
+    assert executor.polled_step is expected or (
+        expected is None and executor.polled_step.__module__ == executor.__name__)
+
+
+@pytest.mark.parametrize("form", list(STEPS))
+def test_a_timed_step_waits_to_the_plans_deadline_then_expires(form):
+    requests, bound = ["r"], "bound"
+    plan = FakePlan(time.monotonic() + 60.0, 60.0)
+    ready = Ready(3)
+    STEPS[form](plan, ready, requests, bound)()
+    assert ready.calls == 3 and plan.expired == []
+    plan._deadline, plan._timeout = time.monotonic() - 1.0, 0.25  # read at each call
+    with pytest.raises(TimeoutError, match="expired"):
+        STEPS[form](plan, Ready(), requests, bound)()
+    assert plan.expired == [(requests, bound, 0.25)]
