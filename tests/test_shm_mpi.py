@@ -104,6 +104,7 @@ def _chunk_counts(comm, itemsize: int) -> list[int]:
     return sorted(counts)
 
 
+@pytest.mark.parametrize("comm", GRID_KINDS, indirect=True)  # a grid: no Dup(), no COMM_SELF
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("dtype, op_name", [("float64", "SUM"), ("int8", "SUM"),
                                             ("int32", "MAX"), ("complex128", "PROD")])
