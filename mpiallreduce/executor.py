@@ -602,5 +602,8 @@ def polled_step(plan: Plan, ready, requests, bound: _BoundStep):
     return partial(plan._poll_step, ready, requests, bound)
 
 
+#: the Python form's (the reference the compiled twin is tested against)
+python_polled_step = polled_step
+
 if _form.compiled is not None:
     polled_step = _form.compiled.PolledStep  # noqa: F811

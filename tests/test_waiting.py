@@ -5,7 +5,6 @@ where the extension is built) call ``ready`` alike and end alike."""
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import pytest
 
@@ -151,16 +150,18 @@ class FakePlan:
         self.expired.append((requests, bound, timeout))
         raise TimeoutError("expired")
 
+    _poll_step = executor.Plan._poll_step  # the Python form's step, as Plan has it
 
-STEPS = {"python": lambda plan, *args: partial(executor.Plan._poll_step, plan, *args)}
+
+STEPS = {"python": executor.python_polled_step}
 if _form.compiled is not None:
     STEPS["compiled"] = _form.compiled.PolledStep
 
 
 def test_the_selected_timed_step_is_installed():
-    expected = _form.compiled.PolledStep if _form.compiled is not None else None
-    assert executor.polled_step is expected or (
-        expected is None and executor.polled_step.__module__ == executor.__name__)
+    expected = (_form.compiled.PolledStep if _form.compiled is not None
+                else executor.python_polled_step)
+    assert executor.polled_step is expected
 
 
 @pytest.mark.parametrize("form", list(STEPS))
