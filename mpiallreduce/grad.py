@@ -5,7 +5,9 @@
   most ``bucket_bytes`` (25 MiB by default, as PyTorch DDP) and one dtype each, binds one
   persistent plan per bucket, starts a bucket's reduction (:func:`mpiallreduce.start`, in the
   progress thread) as soon as all its arrays are marked :meth:`~GradSync.ready`, and unpacks the
-  results into the arrays on :meth:`~GradSync.wait`. Buckets start in bucket order on every
+  results into the arrays on :meth:`~GradSync.wait` (an array of ``solo_bytes`` or more is a
+  bucket of its own, reduced in its own memory; on one node the first steps time that against
+  packing it, and keep the faster: ``packing``). Buckets start in bucket order on every
   rank (a complete bucket waits for the ones before it), which the ordering rule needs. Where a
   bucket's plan runs ``shm`` (every rank on one node), its flat buffer is a shared array
   (:func:`mpiallreduce.shared_empty`), so the reduction reads the peers' buckets in place: no
@@ -40,11 +42,11 @@ from .shm import shared_empty
 #: default bucket cap in bytes (PyTorch DDP's ``bucket_cap_mb=25``).
 BUCKET_BYTES = 25 << 20
 #: an uncompressed gradient of at least this many bytes is a bucket of its own, reduced in place
-#: in the array itself, where the plans do not run shm. Packing saves one call's overhead
-#: (microseconds, tens across nodes) but copies the array in and out; at 1 MiB those copies move
-#: 4 MiB through memory, hundreds of microseconds, far more than the call they save. On one node
-#: shm reduces a private array a chunk at a time (a handshake between the ranks per chunk), a
-#: shared bucket in one step: there packing wins, and GradSync packs every array.
+#: in the array itself. Packing saves one call's overhead (microseconds, tens across nodes) but
+#: copies the array in and out; at 1 MiB those copies move 4 MiB through memory, hundreds of
+#: microseconds, far more than the call they save. On one node shm reduces a private array a
+#: chunk at a time (a handshake between the ranks per chunk), a shared bucket in one step: which
+#: costs less there changed from job to job, so ``packing="auto"`` times both.
 SOLO_BYTES = 1 << 20
 #: steps ``overlap="auto"`` times in each mode before it keeps the faster one.
 PROBE_STEPS = 3
@@ -87,11 +89,18 @@ class GradSync:
         compression: ``None``, ``"fp16"``, ``"bf16"`` or a :class:`~.compression.TopK`.
         solo_bytes: without compression, an array of at least this many bytes is a bucket of
             its own reduced in place in the array (no copy in or out; default
-            :data:`SOLO_BYTES`), except where the plans run ``shm`` (every rank on one node):
-            there every array is packed, as shm reduces a shared bucket in one step but a
-            private array a chunk at a time. A solo array holds the result as soon as its
-            bucket completes, which may be before :meth:`wait`: do not write it between
+            :data:`SOLO_BYTES`; ``None``: none is). A solo array holds the result as soon as
+            its bucket completes, which may be before :meth:`wait`: do not write it between
             ``ready`` and ``wait``.
+        packing: ``False`` keeps the arrays of ``solo_bytes`` solo; ``True`` packs every array
+            into buckets; ``"auto"`` (default) keeps them solo, except where the plans run
+            ``shm`` (every rank on one node): there shm reduces a shared bucket in one step
+            but a private array a chunk at a time, with a handshake per chunk, and which costs
+            less, the copies into the buckets and out or the handshakes, changed from one job
+            to the next on the same machine (docs/training.md). So there it times the first
+            :data:`PROBE_STEPS` steps each way (with each overlap mode, where ``overlap`` is
+            ``"auto"`` too), keeps the faster (``packing_mode`` says which), agreed across
+            ranks as the overlap mode is, and frees the other way's buckets and plans.
         overlap: ``True`` starts a bucket's reduction as soon as it is ready (it progresses
             while backprop goes on: worth it with a spare core per rank or a network card doing
             the transfers); ``False`` starts every bucket at :meth:`wait` (nothing competes with
@@ -106,7 +115,8 @@ class GradSync:
             its array's values, as NumPy arrays): write the gradients there (``p.grad =
             torch.from_numpy(sync.arrays[i])``) and nothing is copied into the buckets or out,
             as with DDP's ``gradient_as_bucket_view``. The views live until :meth:`free`;
-            arrays that are buckets of their own (solo) stay the caller's.
+            arrays that are buckets of their own (solo) stay the caller's. With ``packing="auto"``
+            on one node every array is packed (a view copies nothing: nothing to time).
 
     Results equal a per-array ``allreduce`` of each array element for element (the same
     additions; bit for bit where the algorithm's order of additions does not depend on an
@@ -114,7 +124,8 @@ class GradSync:
     """
 
     def __init__(self, arrays, comm=None, op=AVG, algorithm="auto", bucket_bytes=BUCKET_BYTES,
-                 compression=None, solo_bytes=SOLO_BYTES, overlap="auto", views=False):
+                 compression=None, solo_bytes=SOLO_BYTES, overlap="auto", views=False,
+                 packing="auto"):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         # views of the caller's memory (torch tensors too), never copies: results land there
         self.arrays = [view(a, f"gradient {i}") for i, a in enumerate(arrays)]
@@ -127,12 +138,10 @@ class GradSync:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if solo_bytes is not None and (not isinstance(solo_bytes, int) or solo_bytes <= 0):
             raise ValueError(f"solo_bytes must be a positive int or None, got {solo_bytes!r}")
-        if overlap not in (True, False, "auto"):
-            raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        for name, mode in (("overlap", overlap), ("packing", packing)):
+            if mode is not True and mode is not False and mode != "auto":
+                raise ValueError(f"{name} must be True, False or 'auto', got {mode!r}")
         self.overlap = overlap
-        #: whether this step starts buckets as they become ready (see ``overlap``)
-        self.overlap_mode = overlap is not False
-        self._timings: dict = {True: [], False: []}  # seconds per step in each mode (auto)
         self._step_start: float | None = None
         self.op, self.algorithm = op, algorithm
         self.codec = None
@@ -142,44 +151,79 @@ class GradSync:
         if compression is not None:
             for i, array in enumerate(self.arrays):
                 codecs.check_float(array, f"gradient {i}")
-        if compression is not None:
+        if compression is not None or packing is True:
             solo_bytes = None  # a compressed bucket encodes into buffers of its own anyway
-        self._solo_bytes = float("inf") if solo_bytes is None else solo_bytes
-        groups = pack(self.arrays, bucket_bytes, solo_bytes)
-        probe = next((self._bucket(members) for members in groups if self._solo(members)), None)
-        if probe is not None and probe.plan.algorithm == "shm":
-            # one node (the choice is agreed: every rank packs alike): shm reduces a shared
-            # bucket in place, one handshake per bucket, but a solo array's private memory a
-            # chunk at a time, a handshake per chunk, which cost more than the copies in and
-            # out they save (docs/training.md). Pack every array instead, known from the first
-            # solo array's plan, before any other is bound.
-            probe.plan.free()
-            probe, self._solo_bytes = None, float("inf")
-            groups = pack(self.arrays, bucket_bytes, None)
-        self.buckets = [probe if probe is not None and members == probe.members
-                        else self._bucket(members) for members in groups]
+        #: each way of grouping the arrays this sync holds (True: packed, False: solo arrays
+        #: of ``solo_bytes``), as (buckets, bucket of each array); one once chosen
+        self._forms = {mode: (buckets, {i: b for b, bucket in enumerate(buckets)
+                                        for i in bucket.members})
+                       for mode, buckets in self._build(bucket_bytes, solo_bytes,
+                                                        packing, views).items()}
+        #: whether the arrays are packed this step (see ``packing``)
+        self.packing_mode = next(iter(self._forms))
+        #: whether this step starts buckets as they become ready (see ``overlap``)
+        self.overlap_mode = overlap is not False
+        overlaps = (True, False) if overlap == "auto" else (overlap,)
+        #: seconds per step of each (packing, overlap) way still to be timed: empty once chosen
+        self._timings = {(mode, start): [] for mode in self._forms for start in overlaps}
+        if len(self._timings) == 1:
+            self._timings.clear()
         if views:
             for bucket in self.buckets:
                 self._view(bucket)
-        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
         self._next = 0  # the next bucket to start, in bucket order
         self._marked = [False] * len(self.arrays)
         self._reset()
 
     # -- building ------------------------------------------------------------------------------
 
-    def _solo(self, members: list) -> bool:
+    def _build(self, bucket_bytes: int, solo_bytes, packing, views: bool) -> dict:
+        """The buckets of each way of grouping the arrays to hold: ``{packed?: buckets}``.
+
+        Solo arrays (those of ``solo_bytes``) only where some array is that large. Where they
+        are, the first one's plan says whether the plans run shm (agreed, so alike on every
+        rank) before any other is bound: then ``packing="auto"`` holds both ways to time them
+        (``views``: the packed one alone), ``packing=False`` the solo one; elsewhere the solo
+        one (copies of megabytes cost far more than the calls they would save).
+        """
+        groups = pack(self.arrays, bucket_bytes, solo_bytes)
+        probe = next((self._bucket(members, solo_bytes) for members in groups
+                      if self._solo(members, solo_bytes)), None)
+        if probe is None:  # nothing solo: the one way packs every array
+            return {True: [self._bucket(members, None) for members in groups]}
+        forms = {}
+        if packing == "auto" and probe.plan.algorithm == "shm":
+            forms[True] = [self._bucket(members, None)
+                           for members in pack(self.arrays, bucket_bytes, None)]
+            if views:
+                probe.plan.free()
+                return forms
+        forms[False] = [probe if members == probe.members else self._bucket(members, solo_bytes)
+                        for members in groups]
+        return forms
+
+    @property
+    def probing(self) -> bool:
+        """Whether the first steps are still timing ways (``overlap``/``packing`` "auto")."""
+        return bool(self._timings)
+
+    @property
+    def buckets(self) -> list:
+        """This step's buckets (of the packing mode)."""
+        return self._forms[self.packing_mode][0]
+
+    def _solo(self, members: list, solo_bytes) -> bool:
         """Whether a bucket of ``members`` is the one array's own memory, reduced in place."""
         return len(members) == 1 and self.codec is None and self.topk is None \
-            and self.arrays[members[0]].nbytes >= self._solo_bytes
+            and solo_bytes is not None and self.arrays[members[0]].nbytes >= solo_bytes
 
-    def _bucket(self, members: list) -> _Bucket:
+    def _bucket(self, members: list, solo_bytes) -> _Bucket:
         offsets, total = [], 0
         for index in members:
             offsets.append(total)
             total += self.arrays[index].size
         first = self.arrays[members[0]]
-        solo = self._solo(members)
+        solo = self._solo(members, solo_bytes)
         flat = first.reshape(-1) if solo else np.empty(total, first.dtype)
         bucket = _Bucket(members, offsets, flat, solo=solo)
         if self.topk is not None:
@@ -228,9 +272,10 @@ class GradSync:
         self._step_start = None
         self._next = 0
         self._marked = [False] * len(self.arrays)
-        for bucket in self.buckets:
-            bucket.waiting = len(bucket.members)
-            bucket.request = None
+        for buckets, _ in self._forms.values():
+            for bucket in buckets:
+                bucket.waiting = len(bucket.members)
+                bucket.request = None
 
     def ready(self, index: int) -> None:
         """Mark gradient ``index`` final for this step; start every bucket that can start."""
@@ -239,7 +284,7 @@ class GradSync:
         if self._step_start is None:
             self._step_start = time.perf_counter()
         self._marked[index] = True
-        self.buckets[self._bucket_of[index]].waiting -= 1
+        self.buckets[self._forms[self.packing_mode][1][index]].waiting -= 1
         if self.overlap_mode:
             self._start_ready()
 
@@ -296,30 +341,37 @@ class GradSync:
         return self.arrays
 
     def _choose_mode(self, elapsed: float) -> None:
-        """``overlap="auto"``: record this step's time; probe each mode, then keep the faster.
+        """Record this step's time while ways are probed (``overlap`` or ``packing`` "auto");
+        probe each (packing, overlap) way in turn, then keep the fastest.
 
-        The mode decides whether buckets start in ``ready`` or in ``wait``, so it orders them
-        against every other collective on the communicator (the other sync of a
-        :class:`DelayedSync`, the caller's own): every rank must hold the same one. The probes
-        alternate by step count, alike everywhere; the final choice compares each mode's
-        slowest rank (a step lasts as long as its slowest rank's), agreed with one MAX allreduce
-        of two medians, once.
+        The overlap mode decides whether buckets start in ``ready`` or in ``wait``, and the
+        packing mode which plans run, so both order calls against every other collective on
+        the communicator (the other sync of a :class:`DelayedSync`, the caller's own): every
+        rank must hold the same ones. The probes go round by step count, alike everywhere; the
+        final choice compares each way's slowest rank (a step lasts as long as its slowest
+        rank's), agreed with one MAX allreduce of the medians, once; then the other packing's
+        buckets are freed (collective: every rank is in this ``wait``).
         """
         timings = self._timings
-        if self.overlap != "auto" or min(map(len, timings.values())) >= PROBE_STEPS:
-            return  # a fixed mode, or the choice is made
-        timings[self.overlap_mode].append(elapsed)
-        if min(map(len, timings.values())) < PROBE_STEPS:
-            self.overlap_mode = len(timings[True]) <= len(timings[False])
+        if not timings:
+            return  # one way only, or the choice is made
+        timings[self.packing_mode, self.overlap_mode].append(elapsed)
+        least = min(timings, key=lambda way: len(timings[way]))  # the first of the fewest
+        if len(timings[least]) < PROBE_STEPS:
+            self.packing_mode, self.overlap_mode = least
             return
-        medians = np.array([statistics.median(timings[True]), statistics.median(timings[False])])
-        # MPI's own MAX: exact, so every rank compares the same two numbers. Called in the same
+        ways = list(timings)
+        medians = np.array([statistics.median(timings[way]) for way in ways])
+        # MPI's own MAX: exact, so every rank compares the same numbers. Called in the same
         # wait() on every rank, after this sync's buckets completed. A bucket of another sync
         # may be in flight: its plan has a tag slot (schedules) or a communicator (native) of
         # its own, or ran whole at its start (shm), so this one-shot call cannot match it.
         api.allreduce(MPI.IN_PLACE, medians, op=MPI.MAX, comm=self.comm, algorithm="native",
                       check=False)
-        self.overlap_mode = bool(medians[0] <= medians[1])
+        self.packing_mode, self.overlap_mode = ways[int(np.argmin(medians))]
+        timings.clear()
+        for mode in [mode for mode in self._forms if mode != self.packing_mode]:
+            self._free_buckets(self._forms.pop(mode)[0])
 
     def synchronize(self) -> list:
         """Mark every gradient ready (in reverse order, as backprop would) and wait."""
@@ -329,13 +381,15 @@ class GradSync:
 
     def free(self) -> None:
         """Free the plans, then the shared buckets (collective: on every rank together)."""
-        self._free_buckets()
+        for buckets, _ in self._forms.values():
+            self._free_buckets(buckets)
 
-    def _free_buckets(self) -> None:
-        for bucket in self.buckets:
+    @staticmethod
+    def _free_buckets(buckets: list) -> None:
+        for bucket in buckets:
             if bucket.plan is not None:
                 bucket.plan.free()
-        for bucket in self.buckets:
+        for bucket in buckets:
             if bucket.shared:
                 bucket.flat.free()
 

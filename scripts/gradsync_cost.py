@@ -9,8 +9,9 @@
 step one matmul of that size, the gradients written after it in reverse order (last layer
 first, as backprop does). In one job, every round runs ``--steps`` training steps of each
 mode, interleaved: ``plain`` (backprop, then one ``comm.Allreduce(IN_PLACE, g)`` per gradient),
-``GradSync`` (``overlap="auto"``, the default: it times both ways for a few steps and keeps the
-faster) and ``GradSync overlap=False/True`` forced. Prints, per mode, the median step time over
+``GradSync`` (``overlap="auto"`` and ``packing="auto"``, the defaults: it times each way for a
+few steps and keeps the fastest), ``GradSync overlap=False/True`` and ``packing=True/False``
+forced. Prints, per mode, the median step time over
 all rounds, its ratio to plain's median, and the spread (max / median over one round's steps,
 the worst round). Run it with ``OPENBLAS_NUM_THREADS=1`` and without (BLAS at its default
 thread count): issue 37's target is <= 1.0x plain in both, with and without overlap.
@@ -94,13 +95,17 @@ def main(argv=None) -> int:
 
     modes = {"plain comm.Allreduce loop": plain}
     syncs = {}
-    for label, overlap in (("GradSync (overlap='auto')", "auto"),
-                           ("GradSync overlap=False", False), ("GradSync overlap=True", True)):
+    for label, overlap, packing in (("GradSync (overlap='auto')", "auto", "auto"),
+                                    ("GradSync overlap=False", False, "auto"),
+                                    ("GradSync overlap=True", True, "auto"),
+                                    ("GradSync packing=True", "auto", True),
+                                    ("GradSync packing=False", "auto", False)):
         own = backprop
         if args.views:  # a backprop of its own, writing into the sync's views of its buckets
             own = mlp(args, comm) if args.case == "mlp" else layers(args, comm)
         sync = syncs[label] = mar.GradSync(own.grads, comm, op=MPI.SUM, overlap=overlap,
-                                           bucket_bytes=args.bucket_bytes, views=args.views)
+                                           bucket_bytes=args.bucket_bytes, views=args.views,
+                                           packing=packing)
         own.grads[:] = sync.arrays
 
         def step(sync=sync, own=own):
@@ -108,8 +113,10 @@ def main(argv=None) -> int:
             sync.wait()
         modes[label] = step
     times: dict[str, list[list[float]]] = {label: [] for label in modes}
-    for step in modes.values():  # warm-up (plans bound, auto's probe decided)
-        for _ in range(8):
+    for label, step in modes.items():  # warm-up (plans bound, auto's probes decided)
+        for _ in range(3):
+            step()
+        while label in syncs and syncs[label].probing:
             step()
     for _ in range(args.rounds):
         for label, step in modes.items():
@@ -134,8 +141,8 @@ def main(argv=None) -> int:
             median = statistics.median(t for r in rounds for t in r)
             spread = max(max(r) / statistics.median(r) for r in rounds)
             print(f"{label:34s} {median * 1e3:8.2f} {median / base:8.2f} {spread:7.2f}")
-        auto = syncs["GradSync (overlap='auto')"]
-        print(f"# overlap='auto' chose overlap_mode={auto.overlap_mode}")
+        for label, sync in syncs.items():
+            print(f"# {label}: overlap_mode={sync.overlap_mode}, packing_mode={sync.packing_mode}")
     for sync in syncs.values():
         sync.free()
     return 0

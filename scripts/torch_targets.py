@@ -125,9 +125,13 @@ def step_times(args, comm) -> dict:
     ways = [Way(name, args, comm)
             for name in ("local", "gloo", "hook", "gloo+view", "hook+view", "GradSync",
                          "GradSync-serial", "GradSync+views", "GradSync-serial+views", "plain")]
-    for way in ways:  # DDP rebuilds its buckets after its first step; plans bind
-        for _ in range(3):
+    for way in ways:  # DDP rebuilds its buckets after its first step; plans bind; GradSync
+        for _ in range(3):  # times its ways (overlap, packing) and keeps one
             way.step()
+        while way.sync is not None and way.sync.probing:
+            way.step()
+    chosen = {way.name: (way.sync.overlap_mode, way.sync.packing_mode) for way in ways
+              if way.sync is not None}
     times: dict = {way.name: [] for way in ways}
     for _ in range(args.rounds):
         for way in ways:
@@ -135,7 +139,7 @@ def step_times(args, comm) -> dict:
             times[way.name].append(statistics.median(way.step() for _ in range(args.steps)))
     for way in ways:
         way.free()
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}, chosen
 
 
 def verdict(ratio: float, target: float) -> str:
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
     state = mar.torch.State(comm)
     load = os.getloadavg()[0]
     buckets = bucket_times(args, comm, state)
-    steps = step_times(args, comm)
+    steps, chosen = step_times(args, comm)
     state.free()
     if comm.Get_rank() == 0:
         threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
@@ -183,8 +187,10 @@ def main(argv=None) -> int:
                   f"{visible['gloo'] * 1e3:.2f} ms = {ratio:.2f}  {verdict(ratio, 0.5)} (<= 0.5)")
         for name in ("GradSync", "GradSync-serial", "GradSync+views", "GradSync-serial+views"):
             ratio = steps[name] / steps["plain"]
+            overlap, packed = chosen[name]
             print(f"{name} step / plain Allreduce loop step = {ratio:.2f}  "
-                  f"{verdict(ratio, 1.0)} (<= 1.0)")
+                  f"{verdict(ratio, 1.0)} (<= 1.0)  [overlap_mode={overlap}, "
+                  f"packing_mode={packed}]")
     dist.destroy_process_group()
     return 0
 

@@ -178,30 +178,106 @@ def test_buckets_of_shm_plans_are_shared_arrays(algorithm, op):
     comm.Free()
 
 
+LARGE_SHAPES = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64")]
+
+
+def _steps_right(comm, sync, grads, steps, shapes=LARGE_SHAPES) -> list:
+    """Run ``steps`` steps of fresh integer-valued gradients; return the packing mode of each
+    step, after checking every result against MPI's own sum."""
+    modes = []
+    for step in range(steps):
+        fresh = _grads(comm, step + 1, integer_valued=True, shapes=shapes)
+        for g, f in zip(grads, fresh):
+            g[...] = f
+        modes.append(sync.packing_mode)
+        for got, f in zip(sync.synchronize(), fresh):
+            assert np.array_equal(got, _reference(comm, f, MPI.SUM))
+    return modes
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", ["shm", "auto"])
-def test_on_one_node_large_gradients_are_packed_into_shared_buckets(algorithm):
-    """Where the plans run shm, no gradient is solo (shm would reduce its private memory a
-    chunk at a time): every array is packed into shared buckets, and results equal
-    comm.Allreduce's; elsewhere large gradients stay solo."""
+def test_on_one_node_both_packings_are_timed_then_one_kept(algorithm):
+    """Where the plans run shm, packing="auto" holds the arrays packed into shared buckets and
+    the large ones solo (their own memory, reduced in place), times the steps each way in turn,
+    keeps one on every rank and frees the other's buckets and plans; results equal
+    comm.Allreduce's at every step. Elsewhere large gradients stay solo, nothing timed."""
     comm = MPI.COMM_WORLD
     if mar.Topology.from_comm(comm).nnodes > 1:
         algorithm = "auto"  # simulated nodes: shm refuses
-    shapes = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64")]
-    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
-    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, solo_bytes=1024) as sync:
-        shm = [b.plan.algorithm == "shm" for b in sync.buckets]
-        if all(shm):
-            assert not any(b.solo for b in sync.buckets)
-            assert all(b.shared for b in sync.buckets)
+    grads = _grads(comm, 0, integer_valued=True, shapes=LARGE_SHAPES)
+    with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, solo_bytes=1024,
+                      overlap=False) as sync:
+        forms = {mode: buckets for mode, (buckets, _) in sync._forms.items()}
+        shm = all(b.plan.algorithm == "shm" for buckets in forms.values() for b in buckets)
+        if shm:
+            assert set(forms) == {True, False}
+            assert not any(b.solo for b in forms[True]) and all(b.shared for b in forms[True])
+            solo = [b for b in forms[False] if b.solo]
+            assert sorted(b.members[0] for b in solo) == [0, 2]
+            assert all(np.shares_memory(b.flat, grads[b.members[0]]) for b in solo)
         else:
-            assert not any(shm) and sum(b.solo for b in sync.buckets) == 2
-        for step in range(3):
-            fresh = _grads(comm, step + 1, integer_valued=True, shapes=shapes)
-            for g, f in zip(grads, fresh):
-                g[...] = f
-            for got, f in zip(sync.synchronize(), fresh):
-                assert np.array_equal(got, _reference(comm, f, MPI.SUM))
+            assert set(forms) == {False} and sum(b.solo for b in forms[False]) == 2
+        modes = _steps_right(comm, sync, grads, 2 * grad.PROBE_STEPS + 2)
+        kept = sync.packing_mode
+        assert modes[-1] == kept and set(sync._forms) == {kept}
+        assert comm.allgather(kept) == [kept] * comm.size
+        if shm:
+            assert modes[:2 * grad.PROBE_STEPS] == [True, False] * grad.PROBE_STEPS
+            freed = forms[not kept]
+            assert all(b.plan._freed for b in freed)
+            assert all(b.flat.freed for b in freed if b.shared)
+            assert not any(b.plan._freed for b in forms[kept])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_fixed_packing_is_kept(packing):
+    """packing=True packs every array (shared buckets where the plans run shm); False keeps the
+    large ones solo, on one node too; nothing is timed, and results equal comm.Allreduce's."""
+    comm = MPI.COMM_WORLD
+    grads = _grads(comm, 0, integer_valued=True, shapes=LARGE_SHAPES)
+    with mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024, overlap=False,
+                      packing=packing) as sync:
+        assert list(sync._forms) == [packing] and not sync._timings
+        assert sum(b.solo for b in sync.buckets) == (0 if packing else 2)
+        for bucket in sync.buckets:
+            assert bucket.shared == (bucket.plan.algorithm == "shm" and not bucket.solo)
+        assert _steps_right(comm, sync, grads, 3) == [packing] * 3
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("packing, views", [("auto", False), (True, False), ("auto", True)])
+def test_plans_bound_on_gradients_are_only_those_kept_or_the_one_probe(monkeypatch, packing,
+                                                                      views):
+    """The first solo array's plan says whether the plans run shm before any other is bound:
+    packing=True binds none on a gradient; with views (the packed way alone on one node) the
+    one probe, freed; packing="auto" keeps each large gradient's own (timed against the packed
+    way on one node)."""
+    comm = MPI.COMM_WORLD
+    shapes = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64"),
+              ((250, 50), "float64")]
+    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
+    on_gradients = []
+    plan = mar.api.plan
+
+    def counted(sendbuf, recvbuf=None, *args, **kwargs):
+        buffer = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
+        on_gradients.append(any(np.shares_memory(buffer, g) for g in grads))
+        return plan(sendbuf, recvbuf, *args, **kwargs)
+
+    monkeypatch.setattr(mar.api, "plan", counted)
+    with mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024, packing=packing,
+                      views=views) as sync:
+        shm = all(b.plan.algorithm == "shm" for b in sync.buckets)
+        expected = 0 if packing is True else 1 if views and shm else 3
+        assert sum(on_gradients) == expected
+        assert sum(b.solo for b in sync.buckets) == (0 if packing is True or shm else 3)
+        fresh = _grads(comm, 1, integer_valued=True, shapes=shapes)
+        for g, f in zip(sync.arrays, fresh):
+            g[...] = f
+        for got, f in zip(sync.synchronize(), fresh):
+            assert np.array_equal(got, _reference(comm, f, MPI.SUM))
 
 
 @pytest.mark.mpi
@@ -229,35 +305,6 @@ def test_views_are_the_buckets_and_hold_the_results(algorithm, compression):
                 array[...] = f
             for got, f in zip(sync.synchronize(), fresh):
                 assert np.array_equal(got, _reference(comm, f, MPI.SUM))
-
-
-@pytest.mark.mpi
-def test_plans_bound_on_gradients_are_only_those_kept_or_the_one_probe(monkeypatch):
-    """Where the plans run shm, GradSync learns it from the first solo array's plan and packs
-    every array before binding any other: one plan on a gradient's own memory, freed (before,
-    every large gradient got one, all freed); elsewhere each large gradient keeps its own."""
-    comm = MPI.COMM_WORLD
-    shapes = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64"),
-              ((250, 50), "float64")]
-    grads = _grads(comm, 0, integer_valued=True, shapes=shapes)
-    on_gradients = []
-    plan = mar.api.plan
-
-    def counted(sendbuf, recvbuf=None, *args, **kwargs):
-        buffer = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
-        on_gradients.append(any(np.shares_memory(buffer, g) for g in grads))
-        return plan(sendbuf, recvbuf, *args, **kwargs)
-
-    monkeypatch.setattr(mar.api, "plan", counted)
-    with mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024) as sync:
-        shm = sync.buckets[0].plan.algorithm == "shm"
-        assert sum(on_gradients) == (1 if shm else 3)
-        assert sum(b.solo for b in sync.buckets) == (0 if shm else 3)
-        fresh = _grads(comm, 1, integer_valued=True, shapes=shapes)
-        for g, f in zip(grads, fresh):
-            g[...] = f
-        for got, f in zip(sync.synchronize(), fresh):
-            assert np.array_equal(got, _reference(comm, f, MPI.SUM))
 
 
 @pytest.mark.mpi
@@ -354,6 +401,43 @@ def test_auto_overlap_is_agreed_when_ranks_time_differently(kind, algorithm, mon
 
 
 @pytest.mark.mpi(min_size=2)
+def test_auto_packing_is_agreed_when_ranks_time_differently(monkeypatch):
+    """packing="auto" (with overlap="auto": four ways) keeps one way on every rank even where
+    each rank's own timings point to another: even ranks find packed steps slow, odd ranks solo
+    ones, and the slowest rank is faster solo (0.5 s against 1 s), so every rank keeps the
+    solo arrays, overlapped or not as the clock says; results stay right throughout."""
+    comm = MPI.COMM_WORLD
+    grads = _grads(comm, 0, integer_valued=True, shapes=LARGE_SHAPES)
+    clock = _StepClock()
+    monkeypatch.setattr(grad, "time", clock)
+    problems = []
+    sync = mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024)
+    ways = len(sync._timings)
+    try:
+        for step in range(ways * grad.PROBE_STEPS + 2):
+            fresh = _grads(comm, step, integer_valued=True, shapes=LARGE_SHAPES)
+            for g, f in zip(grads, fresh):
+                g[...] = f
+            for index in reversed(range(len(grads))):
+                sync.ready(index)
+            clock.now += _step_seconds(comm, sync.packing_mode) + 0.001 * sync.overlap_mode
+            problems += [_problem(comm, step, got, _reference(comm, f, MPI.SUM))
+                         for got, f in zip(sync.wait(), fresh)]
+    except Exception as error:  # noqa: BLE001 - reported on every rank below
+        problems.append(f"rank {comm.rank}: {type(error).__name__}: {error}")
+    try:
+        kept = comm.allgather((sync.packing_mode, sync.overlap_mode))
+        assert_on_every_rank(comm, "; ".join(p for p in problems if p) or None)
+        assert len(set(kept)) == 1, f"ranks settled on different ways: {kept}"
+        if ways == 4:  # one node, the plans run shm: both packings timed
+            assert kept[0] == (False, False)
+        else:  # elsewhere the solo arrays alone, overlap timed
+            assert ways == 2 and kept[0] == (False, False)
+    finally:
+        sync.free()
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "native"])
 def test_delayed_sync_agrees_on_overlap_when_ranks_time_differently(algorithm, monkeypatch):
     """DelayedSync's two GradSyncs each pick one mode on every rank, so buckets of the one in
@@ -388,9 +472,10 @@ def test_delayed_sync_agrees_on_overlap_when_ranks_time_differently(algorithm, m
         delayed.free()
 
 
-def test_overlap_must_be_a_known_mode():
-    with pytest.raises(ValueError, match="overlap"):
-        mar.GradSync([np.zeros(3)], MPI.COMM_SELF, overlap="sometimes")
+@pytest.mark.parametrize("name", ["overlap", "packing"])
+def test_overlap_and_packing_must_be_known_modes(name):
+    with pytest.raises(ValueError, match=name):
+        mar.GradSync([np.zeros(3)], MPI.COMM_SELF, **{name: "sometimes"})
 
 
 @pytest.mark.mpi
