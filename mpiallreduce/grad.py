@@ -49,7 +49,7 @@ BUCKET_BYTES = 25 << 20
 #: costs less there changed from job to job, so ``packing="auto"`` times both.
 SOLO_BYTES = 1 << 20
 #: steps ``overlap="auto"`` times in each mode before it keeps the faster one.
-PROBE_STEPS = 3
+PROBE_STEPS = 5
 
 
 @dataclass
@@ -168,6 +168,8 @@ class GradSync:
         self._timings = {(mode, start): [] for mode in self._forms for start in overlaps}
         if len(self._timings) == 1:
             self._timings.clear()
+        #: once chosen: each way's median step in seconds (its slowest rank's), as agreed
+        self.timed: dict = {}
         if views:
             for bucket in self.buckets:
                 self._view(bucket)
@@ -369,6 +371,7 @@ class GradSync:
         api.allreduce(MPI.IN_PLACE, medians, op=MPI.MAX, comm=self.comm, algorithm="native",
                       check=False)
         self.packing_mode, self.overlap_mode = ways[int(np.argmin(medians))]
+        self.timed = dict(zip(ways, medians.tolist()))
         timings.clear()
         for mode in [mode for mode in self._forms if mode != self.packing_mode]:
             self._free_buckets(self._forms.pop(mode)[0])

@@ -130,8 +130,8 @@ def step_times(args, comm) -> dict:
             way.step()
         while way.sync is not None and way.sync.probing:
             way.step()
-    chosen = {way.name: (way.sync.overlap_mode, way.sync.packing_mode) for way in ways
-              if way.sync is not None}
+    chosen = {way.name: (way.sync.overlap_mode, way.sync.packing_mode, way.sync.timed)
+              for way in ways if way.sync is not None}
     times: dict = {way.name: [] for way in ways}
     for _ in range(args.rounds):
         for way in ways:
@@ -187,10 +187,11 @@ def main(argv=None) -> int:
                   f"{visible['gloo'] * 1e3:.2f} ms = {ratio:.2f}  {verdict(ratio, 0.5)} (<= 0.5)")
         for name in ("GradSync", "GradSync-serial", "GradSync+views", "GradSync-serial+views"):
             ratio = steps[name] / steps["plain"]
-            overlap, packed = chosen[name]
+            overlap, packed, timed = chosen[name]
+            timed = ", ".join(f"{way}: {seconds * 1e3:.2f}" for way, seconds in timed.items())
             print(f"{name} step / plain Allreduce loop step = {ratio:.2f}  "
                   f"{verdict(ratio, 1.0)} (<= 1.0)  [overlap_mode={overlap}, "
-                  f"packing_mode={packed}]")
+                  f"packing_mode={packed}; timed (packing, overlap) ms: {timed or '-'}]")
     dist.destroy_process_group()
     return 0
 
