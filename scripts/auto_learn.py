@@ -13,7 +13,11 @@ and ``comm.Allreduce`` for reference, timed interleaved as ``mpiallreduce.tune``
 whose order rotates, a batch of calls each, the slowest rank's mean, the median over rounds.
 
 Prints one row per size and mode: auto's time after learning, the best algorithm's (by name)
-and their ratio (the target: <= 1.05), what ``auto`` picked among which candidates, how many
+and their ratio (the target: <= 1.05), the picked algorithm's time by name over the best's
+(``pick``: was the choice right?) and auto's over it (``a/pick``: from 256 KiB up, where a
+call's path costs nothing next to the transfer, the same code timed twice, so the spread of
+this column there is the timing's own noise; below, the calls take 1-15 us and which of
+two sub-microsecond call paths runs faster moved between jobs), what ``auto`` picked among which candidates, how many
 calls learning took, what they cost in all and beyond the same number of the winner's calls
 (after one call of ``native`` and of ``shm`` by name: the set-up any first call pays, learning
 or not, is not counted). Each row's ``auto`` result is checked against ``comm.Allreduce``.
@@ -128,6 +132,8 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
         return {"bytes": size, "mode": "in" if in_place else "out", "auto_us": 1e6 * times["auto"],
                 "best": best, "best_us": 1e6 * ours[best], "ratio": times["auto"] / ours[best],
                 "picked": winner, "candidates": report["candidates"],
+                # the pick by name runs the same code as auto's call: their ratio is the noise
+                "pick_us": 1e6 * ours.get(winner, times["auto"]),
                 "learning_calls": calls, "learning_ms": 1e3 * cost,
                 "learning_extra_ms": 1e3 * (cost - calls * ours.get(winner, times["auto"])),
                 "comm_allreduce_us": 1e6 * times["comm.Allreduce"],
@@ -156,7 +162,8 @@ def main(argv=None) -> int:
         print(f"# {world.size} ranks, {os.cpu_count()} cores, load {load}, float64 SUM, "
               f"{args.repeats} interleaved rounds; learning: {select.learn_settings()}",
               flush=True)
-        print(f"# {'size':>5} {'mode':>4} {'auto':>10} {'best':>10} {'ratio':>6}  "
+        print(f"# {'size':>5} {'mode':>4} {'auto':>10} {'best':>10} {'ratio':>6} {'pick':>6} "
+              f"{'a/pick':>6}  "
               f"{'best is':<18} {'auto picked':<18} {'calls':>5} {'cost ms':>8} {'extra ms':>8}"
               f"  candidates", flush=True)
     rows = []
@@ -166,7 +173,9 @@ def main(argv=None) -> int:
             rows.append(row)
             if world.rank == 0:
                 print(f"  {human(size):>5} {row['mode']:>4} {row['auto_us']:10.1f} "
-                      f"{row['best_us']:10.1f} {row['ratio']:6.2f}  {row['best']:<18} "
+                      f"{row['best_us']:10.1f} {row['ratio']:6.2f} "
+                      f"{row['pick_us'] / row['best_us']:6.2f} {row['auto_us'] / row['pick_us']:6.2f}  "
+                      f"{row['best']:<18} "
                       f"{row['picked']:<18} {row['learning_calls']:5d} "
                       f"{row['learning_ms']:8.1f} {row['learning_extra_ms']:8.1f}  "
                       f"{','.join(row['candidates'])}", flush=True)
@@ -174,6 +183,12 @@ def main(argv=None) -> int:
         within = sum(row["ratio"] <= 1.05 for row in rows)
         print(f"# auto within 1.05x of the best: {within} of {len(rows)} rows; worst "
               f"{max(row['ratio'] for row in rows):.2f}x; load now {os.getloadavg()}", flush=True)
+        picks = sum(row["pick_us"] <= 1.05 * row["best_us"] for row in rows)
+        large = [row for row in rows if row["bytes"] >= 256 << 10]
+        alike = sum(abs(row["auto_us"] / row["pick_us"] - 1) <= 0.05 for row in large)
+        print(f"# auto's pick, called by name, within 1.05x of the best: {picks} of {len(rows)}; "
+              f"from 256 KiB, auto within +-5% of its pick by name (the same code: the "
+              f"timing's noise): {alike} of {len(large)}", flush=True)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as file:
                 json.dump({"ranks": world.size, "rows": rows}, file, indent=1)
