@@ -229,8 +229,10 @@ LEARN_ENV, LEARN_RUNS_ENV, RELEARN_ENV = ("MPIALLREDUCE_LEARN", "MPIALLREDUCE_LE
 #: one untimed run (the median of 5 is robust to one burst of load); never re-timed.
 LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "off", 5, 0
 #: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
-#: times slower than its fastest are not (the model ranks; the machine decides).
-LEARN_CANDIDATES, LEARN_MARGIN = 4, 2.0
+#: times slower than its fastest are not (the model ranks; the machine decides). Six: with
+#: four, the algorithm that measured best was often no candidate at all where the model puts
+#: five schedules within 20% of each other (docs/usage.md, learning on the machine at hand).
+LEARN_CANDIDATES, LEARN_MARGIN = 6, 2.0
 
 
 @dataclass(frozen=True)
@@ -268,9 +270,10 @@ def learn_candidates(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
     (unless this MPI saturates the op on the dtype), ``shm`` where every rank is on one node,
     then the registered algorithms that accept the op in the order of the model's prediction,
     leaving out any predicted more than :data:`LEARN_MARGIN` times slower than the model's
-    fastest; at most :data:`LEARN_CANDIDATES`. Of several the model predicts alike (within 1%:
-    at 2 ranks ring and rabenseifner send the same messages) only the first. The same on every
-    rank for the same arguments; memoized per power-of-two size."""
+    fastest; at most :data:`LEARN_CANDIDATES`. Schedules the model predicts alike (at 2 ranks
+    ring and rabenseifner send the same messages) are each timed: their code is not alike, and
+    one measured faster than the other where only one was timed (docs/usage.md). The
+    same on every rank for the same arguments; memoized per power-of-two size."""
     bucket = 1 << (max(int(nbytes), 1).bit_length() - 1)
     return _learn_candidates(nranks, bucket, reducer.commutative,
                              native_deviates_for(reducer.name, dtype), bool(in_place),
@@ -307,10 +310,8 @@ def _learn_candidates(nranks: int, bucket: int, commutative: bool, deviates: boo
         for time_, name in ranked:
             if len(names) >= LEARN_CANDIDATES or time_ > LEARN_MARGIN * best:
                 break
-            if name in names or any(abs(time_ - predicted[other]) <= 0.01 * time_
-                                    for other in names if other in valid):
-                continue
-            names.append(name)
+            if name not in names:
+                names.append(name)
     return tuple(names[:max(LEARN_CANDIDATES, 1)])
 
 
