@@ -97,10 +97,13 @@ class GradSync:
             ``shm`` (every rank on one node): there shm reduces a shared bucket in one step
             but a private array a chunk at a time, with a handshake per chunk, and which costs
             less, the copies into the buckets and out or the handshakes, changed from one job
-            to the next on the same machine (docs/training.md). So there it times the first
-            :data:`PROBE_STEPS` steps each way (with each overlap mode, where ``overlap`` is
-            ``"auto"`` too), keeps the faster (``packing_mode`` says which), agreed across
-            ranks as the overlap mode is, and frees the other way's buckets and plans.
+            to the next on the same machine, as did whether MPI's own in-place reduction of
+            each array (the loop GradSync replaces) beat both (docs/training.md). So there it
+            times the first :data:`PROBE_STEPS` steps of each way, ``"packed"``, ``"solo"``
+            and (with ``algorithm="auto"``) ``"native"``: the arrays as ``"solo"`` with
+            ``native`` plans (with each overlap mode, where ``overlap`` is ``"auto"`` too),
+            keeps the fastest (``way`` says which), agreed across ranks as the overlap mode
+            is, and frees the other ways' buckets and plans.
         overlap: ``True`` starts a bucket's reduction as soon as it is ready (it progresses
             while backprop goes on: worth it with a spare core per rank or a network card doing
             the transfers); ``False`` starts every bucket at :meth:`wait` (nothing competes with
@@ -153,19 +156,19 @@ class GradSync:
                 codecs.check_float(array, f"gradient {i}")
         if compression is not None or packing is True:
             solo_bytes = None  # a compressed bucket encodes into buffers of its own anyway
-        #: each way of grouping the arrays this sync holds (True: packed, False: solo arrays
-        #: of ``solo_bytes``), as (buckets, bucket of each array); one once chosen
-        self._forms = {mode: (buckets, {i: b for b, bucket in enumerate(buckets)
-                                        for i in bucket.members})
-                       for mode, buckets in self._build(bucket_bytes, solo_bytes,
-                                                        packing, views).items()}
-        #: whether the arrays are packed this step (see ``packing``)
-        self.packing_mode = next(iter(self._forms))
+        #: each way of reducing the arrays this sync holds (see ``packing``), as (buckets,
+        #: bucket of each array); one once chosen
+        self._forms = {way: (buckets, {i: b for b, bucket in enumerate(buckets)
+                                       for i in bucket.members})
+                       for way, buckets in self._build(bucket_bytes, solo_bytes,
+                                                       packing, views).items()}
+        #: this step's way: "packed", "solo" or "native" (see ``packing``)
+        self.way = next(iter(self._forms))
         #: whether this step starts buckets as they become ready (see ``overlap``)
         self.overlap_mode = overlap is not False
         overlaps = (True, False) if overlap == "auto" else (overlap,)
-        #: seconds per step of each (packing, overlap) way still to be timed: empty once chosen
-        self._timings = {(mode, start): [] for mode in self._forms for start in overlaps}
+        #: seconds per step of each (way, overlap) still to be timed: empty once chosen
+        self._timings = {(way, start): [] for way in self._forms for start in overlaps}
         if len(self._timings) == 1:
             self._timings.clear()
         #: once chosen: each way's median step in seconds (its slowest rank's), as agreed
@@ -180,28 +183,32 @@ class GradSync:
     # -- building ------------------------------------------------------------------------------
 
     def _build(self, bucket_bytes: int, solo_bytes, packing, views: bool) -> dict:
-        """The buckets of each way of grouping the arrays to hold: ``{packed?: buckets}``.
+        """The buckets of each way to hold: ``{"packed" | "solo" | "native": buckets}``.
 
         Solo arrays (those of ``solo_bytes``) only where some array is that large. Where they
         are, the first one's plan says whether the plans run shm (agreed, so alike on every
-        rank) before any other is bound: then ``packing="auto"`` holds both ways to time them
-        (``views``: the packed one alone), ``packing=False`` the solo one; elsewhere the solo
-        one (copies of megabytes cost far more than the calls they would save).
+        rank) before any other is bound: then ``packing="auto"`` holds every way to time them
+        (``views``: "packed" alone; "native" only under ``algorithm="auto"``),
+        ``packing=False`` "solo"; elsewhere "solo" (copies of megabytes cost far more than the
+        calls they would save).
         """
         groups = pack(self.arrays, bucket_bytes, solo_bytes)
         probe = next((self._bucket(members, solo_bytes) for members in groups
                       if self._solo(members, solo_bytes)), None)
         if probe is None:  # nothing solo: the one way packs every array
-            return {True: [self._bucket(members, None) for members in groups]}
+            return {"packed": [self._bucket(members, None) for members in groups]}
         forms = {}
-        if packing == "auto" and probe.plan.algorithm == "shm":
-            forms[True] = [self._bucket(members, None)
-                           for members in pack(self.arrays, bucket_bytes, None)]
+        timed = packing == "auto" and probe.plan.algorithm == "shm"
+        if timed:
+            forms["packed"] = [self._bucket(members, None)
+                               for members in pack(self.arrays, bucket_bytes, None)]
             if views:
                 probe.plan.free()
                 return forms
-        forms[False] = [probe if members == probe.members else self._bucket(members, solo_bytes)
-                        for members in groups]
+        forms["solo"] = [probe if members == probe.members else self._bucket(members, solo_bytes)
+                         for members in groups]
+        if timed and self.algorithm == "auto":
+            forms["native"] = [self._bucket(members, solo_bytes, "native") for members in groups]
         return forms
 
     @property
@@ -211,21 +218,22 @@ class GradSync:
 
     @property
     def buckets(self) -> list:
-        """This step's buckets (of the packing mode)."""
-        return self._forms[self.packing_mode][0]
+        """This step's buckets (of its way)."""
+        return self._forms[self.way][0]
 
     def _solo(self, members: list, solo_bytes) -> bool:
         """Whether a bucket of ``members`` is the one array's own memory, reduced in place."""
         return len(members) == 1 and self.codec is None and self.topk is None \
             and solo_bytes is not None and self.arrays[members[0]].nbytes >= solo_bytes
 
-    def _bucket(self, members: list, solo_bytes) -> _Bucket:
+    def _bucket(self, members: list, solo_bytes, algorithm: str | None = None) -> _Bucket:
         offsets, total = [], 0
         for index in members:
             offsets.append(total)
             total += self.arrays[index].size
         first = self.arrays[members[0]]
         solo = self._solo(members, solo_bytes)
+        algorithm = algorithm or self.algorithm
         flat = first.reshape(-1) if solo else np.empty(total, first.dtype)
         bucket = _Bucket(members, offsets, flat, solo=solo)
         if self.topk is not None:
@@ -235,10 +243,10 @@ class GradSync:
         elif self.codec is not None:
             bucket.words = np.empty(total, np.uint16)
             bucket.plan = api.plan(MPI.IN_PLACE, bucket.words, op=self.codec.op, comm=self.comm,
-                                   algorithm=self.algorithm)
+                                   algorithm=algorithm)
         else:
             bucket.plan = api.plan(MPI.IN_PLACE, bucket.flat, op=self.op, comm=self.comm,
-                                   algorithm=self.algorithm)
+                                   algorithm=algorithm)
             if bucket.plan.algorithm == "shm" and not solo:
                 # one node: bind again on a bucket in the node's shared memory, which the
                 # ranks reduce straight from each other's buckets (the choice is agreed, so
@@ -247,7 +255,7 @@ class GradSync:
                 bucket.flat = shared_empty(total, first.dtype, comm=self.comm)
                 bucket.shared = True
                 bucket.plan = api.plan(MPI.IN_PLACE, bucket.flat, op=self.op, comm=self.comm,
-                                       algorithm=self.algorithm)
+                                       algorithm=algorithm)
         return bucket
 
     def _view(self, bucket: _Bucket) -> None:
@@ -286,7 +294,7 @@ class GradSync:
         if self._step_start is None:
             self._step_start = time.perf_counter()
         self._marked[index] = True
-        self.buckets[self._forms[self.packing_mode][1][index]].waiting -= 1
+        self.buckets[self._forms[self.way][1][index]].waiting -= 1
         if self.overlap_mode:
             self._start_ready()
 
@@ -344,23 +352,23 @@ class GradSync:
 
     def _choose_mode(self, elapsed: float) -> None:
         """Record this step's time while ways are probed (``overlap`` or ``packing`` "auto");
-        probe each (packing, overlap) way in turn, then keep the fastest.
+        probe each (way, overlap mode) in turn, then keep the fastest.
 
         The overlap mode decides whether buckets start in ``ready`` or in ``wait``, and the
-        packing mode which plans run, so both order calls against every other collective on
+        way which plans run, so both order calls against every other collective on
         the communicator (the other sync of a :class:`DelayedSync`, the caller's own): every
         rank must hold the same ones. The probes go round by step count, alike everywhere; the
         final choice compares each way's slowest rank (a step lasts as long as its slowest
-        rank's), agreed with one MAX allreduce of the medians, once; then the other packing's
+        rank's), agreed with one MAX allreduce of the medians, once; then the other ways'
         buckets are freed (collective: every rank is in this ``wait``).
         """
         timings = self._timings
         if not timings:
             return  # one way only, or the choice is made
-        timings[self.packing_mode, self.overlap_mode].append(elapsed)
+        timings[self.way, self.overlap_mode].append(elapsed)
         least = min(timings, key=lambda way: len(timings[way]))  # the first of the fewest
         if len(timings[least]) < PROBE_STEPS:
-            self.packing_mode, self.overlap_mode = least
+            self.way, self.overlap_mode = least
             return
         ways = list(timings)
         medians = np.array([statistics.median(timings[way]) for way in ways])
@@ -370,11 +378,11 @@ class GradSync:
         # its own, or ran whole at its start (shm), so this one-shot call cannot match it.
         api.allreduce(MPI.IN_PLACE, medians, op=MPI.MAX, comm=self.comm, algorithm="native",
                       check=False)
-        self.packing_mode, self.overlap_mode = ways[int(np.argmin(medians))]
+        self.way, self.overlap_mode = ways[int(np.argmin(medians))]
         self.timed = dict(zip(ways, medians.tolist()))
         timings.clear()
-        for mode in [mode for mode in self._forms if mode != self.packing_mode]:
-            self._free_buckets(self._forms.pop(mode)[0])
+        for way in [way for way in self._forms if way != self.way]:
+            self._free_buckets(self._forms.pop(way)[0])
 
     def synchronize(self) -> list:
         """Mark every gradient ready (in reverse order, as backprop would) and wait."""

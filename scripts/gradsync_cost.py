@@ -143,8 +143,8 @@ def main(argv=None) -> int:
             print(f"{label:34s} {median * 1e3:8.2f} {median / base:8.2f} {spread:7.2f}")
         for label, sync in syncs.items():
             timed = ", ".join(f"{way}: {seconds * 1e3:.2f} ms" for way, seconds in sync.timed.items())
-            print(f"# {label}: overlap_mode={sync.overlap_mode}, packing_mode={sync.packing_mode}"
-                  f" (timed (packing, overlap): {timed or '-'})")
+            print(f"# {label}: overlap_mode={sync.overlap_mode}, way={sync.way}"
+                  f" (timed (way, overlap): {timed or '-'})")
     for sync in syncs.values():
         sync.free()
     return 0

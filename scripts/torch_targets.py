@@ -130,7 +130,7 @@ def step_times(args, comm) -> dict:
             way.step()
         while way.sync is not None and way.sync.probing:
             way.step()
-    chosen = {way.name: (way.sync.overlap_mode, way.sync.packing_mode, way.sync.timed)
+    chosen = {way.name: (way.sync.overlap_mode, way.sync.way, way.sync.timed)
               for way in ways if way.sync is not None}
     times: dict = {way.name: [] for way in ways}
     for _ in range(args.rounds):
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
             timed = ", ".join(f"{way}: {seconds * 1e3:.2f}" for way, seconds in timed.items())
             print(f"{name} step / plain Allreduce loop step = {ratio:.2f}  "
                   f"{verdict(ratio, 1.0)} (<= 1.0)  [overlap_mode={overlap}, "
-                  f"packing_mode={packed}; timed (packing, overlap) ms: {timed or '-'}]")
+                  f"way={packed}; timed (way, overlap) ms: {timed or '-'}]")
     dist.destroy_process_group()
     return 0
 

@@ -184,50 +184,56 @@ LARGE_SHAPES = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64"
 def _steps_right(comm, sync, grads, steps, shapes=LARGE_SHAPES) -> list:
     """Run ``steps`` steps of fresh integer-valued gradients; return the packing mode of each
     step, after checking every result against MPI's own sum."""
-    modes = []
+    ways = []
     for step in range(steps):
         fresh = _grads(comm, step + 1, integer_valued=True, shapes=shapes)
         for g, f in zip(grads, fresh):
             g[...] = f
-        modes.append(sync.packing_mode)
+        ways.append(sync.way)
         for got, f in zip(sync.synchronize(), fresh):
             assert np.array_equal(got, _reference(comm, f, MPI.SUM))
-    return modes
+    return ways
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", ["shm", "auto"])
-def test_on_one_node_both_packings_are_timed_then_one_kept(algorithm):
-    """Where the plans run shm, packing="auto" holds the arrays packed into shared buckets and
-    the large ones solo (their own memory, reduced in place), times the steps each way in turn,
-    keeps one on every rank and frees the other's buckets and plans; results equal
-    comm.Allreduce's at every step. Elsewhere large gradients stay solo, nothing timed."""
+def test_on_one_node_every_way_is_timed_then_one_kept(algorithm):
+    """Where the plans run shm, packing="auto" holds the arrays packed into shared buckets,
+    the large ones solo (their own memory, reduced in place) and, under auto, the same solo
+    through native plans (the plain loop); it times the steps each way in turn, keeps one on
+    every rank and frees the others' buckets and plans; results equal comm.Allreduce's at
+    every step. Elsewhere large gradients stay solo, nothing timed."""
     comm = MPI.COMM_WORLD
     if mar.Topology.from_comm(comm).nnodes > 1:
         algorithm = "auto"  # simulated nodes: shm refuses
     grads = _grads(comm, 0, integer_valued=True, shapes=LARGE_SHAPES)
     with mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, solo_bytes=1024,
                       overlap=False) as sync:
-        forms = {mode: buckets for mode, (buckets, _) in sync._forms.items()}
-        shm = all(b.plan.algorithm == "shm" for buckets in forms.values() for b in buckets)
+        forms = {way: buckets for way, (buckets, _) in sync._forms.items()}
+        shm = all(b.plan.algorithm == "shm" for b in forms["solo" if "solo" in forms
+                                                           else "packed"])
         if shm:
-            assert set(forms) == {True, False}
-            assert not any(b.solo for b in forms[True]) and all(b.shared for b in forms[True])
-            solo = [b for b in forms[False] if b.solo]
-            assert sorted(b.members[0] for b in solo) == [0, 2]
-            assert all(np.shares_memory(b.flat, grads[b.members[0]]) for b in solo)
+            expected = ["packed", "solo"] + (["native"] if algorithm == "auto" else [])
+            assert list(forms) == expected
+            packed = forms["packed"]
+            assert not any(b.solo for b in packed) and all(b.shared for b in packed)
+            for way in expected[1:]:
+                solo = [b for b in forms[way] if b.solo]
+                assert sorted(b.members[0] for b in solo) == [0, 2]
+                assert all(np.shares_memory(b.flat, grads[b.members[0]]) for b in solo)
+                assert all(b.plan.algorithm == ("shm" if way == "solo" else "native")
+                           for b in forms[way])
         else:
-            assert set(forms) == {False} and sum(b.solo for b in forms[False]) == 2
-        modes = _steps_right(comm, sync, grads, 2 * grad.PROBE_STEPS + 2)
-        kept = sync.packing_mode
-        assert modes[-1] == kept and set(sync._forms) == {kept}
+            expected = ["solo"]
+            assert list(forms) == expected and sum(b.solo for b in forms["solo"]) == 2
+        ways = _steps_right(comm, sync, grads, len(expected) * grad.PROBE_STEPS + 2)
+        kept = sync.way
+        assert ways[-1] == kept and set(sync._forms) == {kept}
         assert comm.allgather(kept) == [kept] * comm.size
-        if shm:
-            assert modes[:2 * grad.PROBE_STEPS] == [True, False] * grad.PROBE_STEPS
-            freed = forms[not kept]
-            assert all(b.plan._freed for b in freed)
-            assert all(b.flat.freed for b in freed if b.shared)
-            assert not any(b.plan._freed for b in forms[kept])
+        assert ways[:len(expected) * grad.PROBE_STEPS] == expected * grad.PROBE_STEPS
+        for way, buckets in forms.items():
+            assert all(b.plan._freed != (way == kept) for b in buckets)
+            assert all(b.flat.freed != (way == kept) for b in buckets if b.shared)
 
 
 @pytest.mark.mpi
@@ -237,13 +243,14 @@ def test_a_fixed_packing_is_kept(packing):
     large ones solo, on one node too; nothing is timed, and results equal comm.Allreduce's."""
     comm = MPI.COMM_WORLD
     grads = _grads(comm, 0, integer_valued=True, shapes=LARGE_SHAPES)
+    way = "packed" if packing else "solo"
     with mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024, overlap=False,
                       packing=packing) as sync:
-        assert list(sync._forms) == [packing] and not sync._timings
+        assert list(sync._forms) == [way] and not sync.probing
         assert sum(b.solo for b in sync.buckets) == (0 if packing else 2)
         for bucket in sync.buckets:
             assert bucket.shared == (bucket.plan.algorithm == "shm" and not bucket.solo)
-        assert _steps_right(comm, sync, grads, 3) == [packing] * 3
+        assert _steps_right(comm, sync, grads, 3) == [way] * 3
 
 
 @pytest.mark.mpi
@@ -252,8 +259,8 @@ def test_plans_bound_on_gradients_are_only_those_kept_or_the_one_probe(monkeypat
                                                                       views):
     """The first solo array's plan says whether the plans run shm before any other is bound:
     packing=True binds none on a gradient; with views (the packed way alone on one node) the
-    one probe, freed; packing="auto" keeps each large gradient's own (timed against the packed
-    way on one node)."""
+    one probe, freed; packing="auto" keeps each large gradient's own, and on one node a
+    native one too (both timed against the packed way)."""
     comm = MPI.COMM_WORLD
     shapes = [((300, 70), "float64"), ((7,), "float64"), ((200, 60), "float64"),
               ((250, 50), "float64")]
@@ -270,7 +277,7 @@ def test_plans_bound_on_gradients_are_only_those_kept_or_the_one_probe(monkeypat
     with mar.GradSync(grads, comm, op=MPI.SUM, solo_bytes=1024, packing=packing,
                       views=views) as sync:
         shm = all(b.plan.algorithm == "shm" for b in sync.buckets)
-        expected = 0 if packing is True else 1 if views and shm else 3
+        expected = 0 if packing is True else 1 if views and shm else 6 if shm else 3
         assert sum(on_gradients) == expected
         assert sum(b.solo for b in sync.buckets) == (0 if packing is True or shm else 3)
         fresh = _grads(comm, 1, integer_valued=True, shapes=shapes)
@@ -400,12 +407,20 @@ def test_auto_overlap_is_agreed_when_ranks_time_differently(kind, algorithm, mon
         free_comm(comm)
 
 
+def _way_seconds(comm, way: str) -> float:
+    """Even ranks find packed steps slow, odd ranks solo ones, every rank native ones a little:
+    ranks that chose alone would disagree; the slowest rank is fastest solo (0.5 s, against
+    0.7 s native and 1 s packed)."""
+    even = comm.rank % 2 == 0
+    return {"packed": 1.0 if even else 0.01, "solo": 0.01 if even else 0.5,
+            "native": 0.7}[way]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_auto_packing_is_agreed_when_ranks_time_differently(monkeypatch):
-    """packing="auto" (with overlap="auto": four ways) keeps one way on every rank even where
-    each rank's own timings point to another: even ranks find packed steps slow, odd ranks solo
-    ones, and the slowest rank is faster solo (0.5 s against 1 s), so every rank keeps the
-    solo arrays, overlapped or not as the clock says; results stay right throughout."""
+    """packing="auto" (with overlap="auto": six ways on one node) keeps one way on every rank
+    even where each rank's own timings point to another (:func:`_way_seconds`), overlapped or
+    not as the clock says; results stay right throughout."""
     comm = MPI.COMM_WORLD
     grads = _grads(comm, 0, integer_valued=True, shapes=LARGE_SHAPES)
     clock = _StepClock()
@@ -420,19 +435,18 @@ def test_auto_packing_is_agreed_when_ranks_time_differently(monkeypatch):
                 g[...] = f
             for index in reversed(range(len(grads))):
                 sync.ready(index)
-            clock.now += _step_seconds(comm, sync.packing_mode) + 0.001 * sync.overlap_mode
+            clock.now += _way_seconds(comm, sync.way) + 0.001 * sync.overlap_mode
             problems += [_problem(comm, step, got, _reference(comm, f, MPI.SUM))
                          for got, f in zip(sync.wait(), fresh)]
     except Exception as error:  # noqa: BLE001 - reported on every rank below
         problems.append(f"rank {comm.rank}: {type(error).__name__}: {error}")
     try:
-        kept = comm.allgather((sync.packing_mode, sync.overlap_mode))
+        kept = comm.allgather((sync.way, sync.overlap_mode))
         assert_on_every_rank(comm, "; ".join(p for p in problems if p) or None)
         assert len(set(kept)) == 1, f"ranks settled on different ways: {kept}"
-        if ways == 4:  # one node, the plans run shm: both packings timed
-            assert kept[0] == (False, False)
-        else:  # elsewhere the solo arrays alone, overlap timed
-            assert ways == 2 and kept[0] == (False, False)
+        # on one node (the plans run shm) three ways timed, elsewhere the solo arrays alone
+        assert ways in (6, 2) and kept[0] == ("solo", False)
+        assert len(sync.timed) == ways and min(sync.timed, key=sync.timed.get) == kept[0]
     finally:
         sync.free()
 
