@@ -20,7 +20,9 @@ Two parts, each in interleaved rounds (every way once per round, in turn), media
    backward, ``comm.Allreduce(MPI.IN_PLACE, g)`` per gradient, then divided by p). Targets:
    hook step / Gloo step <= 0.7 (DDP's options alike for both); visible communication (step -
    local step) of GradSync <= 0.5x Gloo's; GradSync's step <= the plain loop's, with and
-   without overlap.
+   without overlap. Each way first runs 3 untimed steps, and each GradSync as many more as it
+   spends timing its ways (``packing="auto"``); the GradSync lines say which way it kept and
+   what each cost while it timed them (``sync.timed``).
 
 Prints the medians and ratios (rank 0; every rank's step ends together); says "target met" or
 "target NOT met" per line. Set ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` as you measure
