@@ -133,10 +133,12 @@ def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exceptio
 
 
 def _inputs_differ(values: list[int]) -> list[str]:
-    """What differs in the "auto's inputs" word (bit 1: in place; bit 0: the native library
-    saturates 8/16-bit sums), said as what each rank did."""
+    """What differs in the "auto's inputs" word (bit 1: in place; bit 2: in place on a shared
+    array; bit 0: the native library saturates 8/16-bit sums), said as what each rank did."""
     problems = []
     for bit, what, says in ((2, "sendbuf", ("passed a send buffer", "passed MPI.IN_PLACE")),
+                            (4, "recvbuf", ("passed a private array",
+                                            "passed a shared array (mpiallreduce.shared_empty)")),
                             (1, "the MPI library", ("wraps 8/16-bit sums",
                                                     "saturates 8/16-bit sums"))):
         groups: dict[bool, list[int]] = {}

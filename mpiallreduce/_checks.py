@@ -190,16 +190,23 @@ class Call:
         # auto's choice depends on the tuning table each rank reads (the same file everywhere),
         # on whether this process's MPI saturates 8/16-bit sums (op/avx picks its code by CPU
         # features, so nodes of a mixed cluster could differ) and, on one node, on whether the
-        # call is in place (select.one_node_choice): ranks that differ would run different
-        # algorithms and wait for each other
+        # call is in place and whether in place on a shared array (select.one_node_choice):
+        # ranks that differ would run different algorithms and wait for each other
         table = inputs = 0
         if self.algorithm == "auto" and self.collective == "allreduce":
             table = select.digest()
             inputs = (int(native_deviates(self.reducer.name, self.recv.dtype))
-                      | (2 if self.send is None else 0))
+                      | (2 if self.send is None else 0)
+                      | (4 if self.send is None and in_shared_memory(self.recv) else 0))
         return [0, count, DTYPES.index(self.recv.dtype), op,
                 COLLECTIVE_ALGORITHMS[self.collective].index(self.algorithm), self.root, params,
                 topology, int(timeout is not None), table, inputs]
+
+
+def in_shared_memory(array: np.ndarray) -> bool:
+    """Whether ``array`` lies in a live shared array (``mpiallreduce.shared_empty``)."""
+    block = getattr(array, "_block", None)
+    return block is not None and not block.freed
 
 
 def allreduce_call(sendbuf, recvbuf, op, comm, algorithm, topology, params=None) -> Call:

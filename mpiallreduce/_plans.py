@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from . import _form, algorithms, learn, select, shm, shm_nodes
 from ._agree import Signature, agree, disagree, prepare
-from ._checks import ALGORITHMS, Call, allreduce_call, plain_timeout
+from ._checks import ALGORITHMS, Call, allreduce_call, in_shared_memory, plain_timeout
 from ._schedules import SCHEDULES, builder_params, steps  # noqa: F401 - the package's names here
 from ._state import CALLS, LAST, SHAPES, CommState
 from ._state import state as comm_state
@@ -36,13 +36,16 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
     its first ``auto`` call at the same call, a miss of every cache). A tuning table for the
     communicator size overrides that rule. Where it asks the cost model (more ranks than were
     measured) without a topology given, the model gets the communicator's own, not one node.
-    ``shared``: see :func:`select.one_node_choice` (decided alike on every rank by the caller).
+    ``shared``: see :func:`select.one_node_choice` (decided alike on every rank by the caller);
+    an in-place call on a shared array (``mpiallreduce.shared_empty``) is one too, which the
+    argument check compares across ranks.
     With learning on (:mod:`.learn`), that choice is the first guess: the case's learned choice,
     or ``learn.LEARNING`` while it is being learned (``learned=False``: the rules' alone).
     """
     name = call.algorithm
     if name != "auto":
         return name
+    shared = shared or (call.send is None and in_shared_memory(call.recv))
     if learned and state is not None:
         ruled = resolve(call, nranks, state, deadline, what, shared, learned=False)
         return learn.resolve(state, call, nranks, ruled, what, shared, lambda: (

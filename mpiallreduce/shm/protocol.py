@@ -133,8 +133,10 @@ def describe(name: str, value: int, algorithms: tuple[str, ...] = ()) -> str:
         return "a timeout" if value else "no timeout"
     if name == "tuning table":
         return "no tuning table" if value == 0 else f"a tuning table with checksum {value}"
-    if name == "auto's inputs":  # bit 0: native saturates 8/16-bit sums; bit 1: in place
-        return (("in place" if value & 2 else "out of place") + ", a native library that "
+    if name == "auto's inputs":  # bit 0: native saturates 8/16-bit sums; bit 1: in place;
+        # bit 2: in place on a shared array
+        return (("in place" if value & 2 else "out of place")
+                + (" on a shared array" if value & 4 else "") + ", a native library that "
                 + ("saturates" if value & 1 else "wraps"))
     return str(value)
 
