@@ -640,6 +640,33 @@ def test_delayed_sync_returns_the_previous_average(algorithm):
     delayed.free()
 
 
+@pytest.mark.mpi
+def test_delayed_sync_times_its_ways_while_the_other_sync_is_in_flight():
+    """DelayedSync of gradients of 1 MiB and more: each of its two syncs times its ways (on one
+    node), and frees the losers' shared buckets in a wait() while the other sync's buckets are
+    in flight; every late sum equals comm.Allreduce's, and each sync keeps one way on every
+    rank."""
+    comm = MPI.COMM_WORLD
+    shapes = [((400, 400), "float64"), ((7,), "float64"), ((300, 500), "float64")]
+    delayed = mar.DelayedSync(_grads(comm, 0, integer_valued=True, shapes=shapes), comm,
+                              op=MPI.SUM)
+    ways = max(len(sync._timings) for sync in delayed.syncs)
+    previous = None
+    for step in range(2 * ways * grad.PROBE_STEPS + 4):
+        fresh = _grads(comm, step, integer_valued=True, shapes=shapes)
+        result = delayed.step(fresh)
+        if previous is not None:
+            for got, ref in zip(result, previous):
+                assert np.array_equal(got, ref)
+        previous = [_reference(comm, f, MPI.SUM) for f in fresh]
+    for got, ref in zip(delayed.flush(), previous):
+        assert np.array_equal(got, ref)
+    kept = [(sync.way, list(sync._forms), sync.probing) for sync in delayed.syncs]
+    assert all(forms == [way] and not probing for way, forms, probing in kept)
+    assert comm.allgather(kept) == [kept] * comm.size
+    delayed.free()
+
+
 # -- the example ------------------------------------------------------------------------------------
 
 def _example():
