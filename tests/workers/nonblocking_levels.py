@@ -3,7 +3,7 @@
 Run as ``mpirun -n 2 python -m mpi4py nonblocking_levels.py LEVEL`` with LEVEL one of
 ``single``, ``serialized``, ``multiple`` (``mpi4py.rc.thread_level``). Every rank prints
 ``OK <case>`` or ``FAIL <case>: <why>`` per case, then ``DONE``. Ranks other than 0 join each
-case a second late, so rank 0's calls meet a collective its peers have not started.
+case 0.5 s late, so rank 0's calls meet a collective its peers have not started.
 """
 
 import sys
@@ -18,7 +18,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpiallreduce as mar  # noqa: E402
 
-LATE = 1.0  # seconds the other ranks arrive after rank 0
+LATE = 0.5  # seconds the other ranks arrive after rank 0
 
 
 def late(comm) -> None:
@@ -31,7 +31,7 @@ def expected(comm, count: int) -> np.ndarray:
 
 
 def late_request(comm, algorithm):
-    """An iallreduce of 1000 values that ranks other than 0 start a second late."""
+    """An iallreduce of 1000 values that ranks other than 0 start 0.5 s late."""
     x = np.arange(1000, dtype=np.float64) + comm.rank
     late(comm)
     return mar.iallreduce(x, comm=comm, algorithm=algorithm, check=False)
