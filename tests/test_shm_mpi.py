@@ -178,6 +178,22 @@ def _bound_calls(programs):
             yield item
 
 
+def _memcpy_in_its_slow_band(call) -> bool:
+    """Whether a bound call is a memcpy (np.copyto, or a memoryview's slice assignment) of 4 KiB
+    or more whose target lies 1-63 bytes past its source modulo 4096 (glibc's rep movsb trap)."""
+    func = getattr(call, "func", None)
+    if func is np.copyto:
+        target, source = call.args[:2]
+    elif getattr(func, "__name__", None) == "__setitem__" and isinstance(
+            getattr(func, "__self__", None), memoryview):
+        target, source = func.__self__, call.args[1]
+    else:
+        return False
+    target, source = np.frombuffer(target, np.uint8), np.frombuffer(source, np.uint8)
+    return (target.nbytes >= shm.plan.LOOP_COPY_BYTES
+            and 0 < (target.ctypes.data - source.ctypes.data) % 4096 < 64)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "int8", "complex128", "bool"])
 def test_copy_call_copies_every_byte_at_every_alignment(dtype):
     """shm's one copy (``plan.copy_call``): the same bytes (NaN payloads, -0.0, odd sizes), on
@@ -193,11 +209,42 @@ def test_copy_call_copies_every_byte_at_every_alignment(dtype):
 
 
 @pytest.mark.parametrize("in_place", [False, True])
-def test_large_regime_copies_never_use_memcpy(comm, in_place):
-    """Copies between slots and a rank's arrays go through NumPy's byte loop: glibc's memcpy
-    runs 5-15x slower on AMD Zen 3 where the target lies 1-31 bytes past the source modulo 4096,
-    as a result array 16 bytes past a page lies past a slot (docs/performance.md, "Copies").
-    Results are checked at page offsets 0, 16 and 24 of input and result."""
+def test_small_regime_loads_avoid_memcpys_slow_band(comm, in_place):
+    """The small regime's load (input into the rank's slot) of LOOP_COPY_BYTES or more goes
+    through NumPy's byte loop where memcpy would be slow, as the large regime's copies do:
+    slots start on a page, so an
+    input ending 8-24 bytes before one put its slot 8-24 bytes past it modulo 4096, where
+    memcpy's rep movsb took 3x the call (14 us against 4.5 at 32 KiB, 2 ranks, 2026-12-04).
+    Results are checked with the input at page offsets 0, 16 and 4080."""
+    count = min(shm.small_bytes(comm.size), 32768) // 8
+    assert count * 8 >= shm.plan.LOOP_COPY_BYTES
+    for offset in (0, 16, 4080):
+        x = _at_page_offset(count, np.float64, offset)
+        x[...] = contribution(comm, count, "float64", seed=offset)
+        out = x if in_place else np.empty_like(x)
+        plan = mar.plan(MPI.IN_PLACE if in_place else x, out, comm=comm, algorithm="shm")
+        for _ in range(2):  # both parities
+            if in_place:
+                out[...] = contribution(comm, count, "float64", seed=offset)
+            plan.run()
+            assert_matches_native(comm, contribution(comm, count, "float64", seed=offset), out,
+                                  MPI.SUM)
+        if comm.size > 1:
+            assert isinstance(plan, shm.SmallPlan)
+            loads = [load for load, _ in plan._programs]
+            assert not any(map(_memcpy_in_its_slow_band, loads)), (offset, loads)
+            if offset == 4080:  # slots start on a page: 16 bytes past the input
+                assert all(getattr(load, "func", None) is np.positive for load in loads)
+        plan.free()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_large_regime_copies_avoid_memcpys_slow_band(comm, in_place):
+    """Copies between slots and a rank's arrays go through NumPy's byte loop where glibc's
+    memcpy would be slow (5-15x on AMD Zen 3 where the target lies 1-31 bytes past the source
+    modulo 4096, as a result array 16 bytes past a page lies past a slot; docs/performance.md),
+    through memcpy elsewhere. Results are checked at page offsets 0, 16 and 24 of input and
+    result."""
     count = shm.small_bytes(comm.size) // 8 * 3 + 5
     for offset in (0, 16, 24):
         x = _at_page_offset(count, np.float64, offset)
@@ -210,9 +257,11 @@ def test_large_regime_copies_never_use_memcpy(comm, in_place):
         assert_matches_native(comm, x, out, MPI.SUM)
         if comm.size > 1:
             assert isinstance(plan, shm.ChunkedPlan)
-            copies = [call for call in _bound_calls(plan._programs)
-                      if getattr(call, "func", None) is np.copyto]
-            assert not copies, f"{len(copies)} bound np.copyto calls"
+            calls = list(_bound_calls(plan._programs))
+            slow = [call for call in calls if _memcpy_in_its_slow_band(call)]
+            assert not slow, f"{len(slow)} bound memcpy calls in the slow band"
+            if offset:  # a result 16 or 24 bytes past a page, slots on one: the byte loop
+                assert any(getattr(call, "func", None) is np.positive for call in calls)
         plan.free()
 
 

@@ -30,8 +30,10 @@ from .protocol import (
     small_bytes,
 )
 
-#: bytes from which :func:`copy_call` copies with NumPy's byte loop instead of memcpy.
+#: bytes from which :func:`copy_call` copies with NumPy's byte loop where memcpy would be slow.
 LOOP_COPY_BYTES = 4096
+#: distances (target less source, modulo 4096) at which memcpy is slow: 1 up to this, excluded.
+TRAPPED_DISTANCE = 64
 
 
 def copy_call(target: np.ndarray, source: np.ndarray):
@@ -40,17 +42,26 @@ def copy_call(target: np.ndarray, source: np.ndarray):
 
     glibc's memcpy (``rep movsb`` from a few KiB up to the L2 size) runs 5-15x slower on AMD
     Zen 3 where the target lies 1-31 bytes past the source modulo 4096 (a false dependency of
-    each load on the store before it; glibc bug 30994). A slot sits at a page offset of the
-    window's, a NumPy array where malloc put it (16 bytes past a page for a large one, anywhere
-    for one from the heap): copying a slot out into such an array hit it, in some runs and not
-    others. From :data:`LOOP_COPY_BYTES` the copy is NumPy's identity loop over the bytes
-    (``np.positive`` on uint8, the same bits), as fast as the good case at any alignment;
-    below, a byte memoryview's slice assignment (NumPy's per-call cost shows there).
+    each load on the store before it; glibc bug 30994; 40-56 bytes cost 1.6x here). A slot sits
+    at a page offset of the window's, a NumPy array where malloc put it (16 bytes past a page
+    for a large one, anywhere for one from the heap): copying a slot out into such an array, or
+    an input ending just before a page into a slot, hit it, in some runs and not others. There
+    (from :data:`LOOP_COPY_BYTES`, target 1 to :data:`TRAPPED_DISTANCE` - 1 bytes past the
+    source modulo 4096), the copy is NumPy's identity loop over the bytes (``np.positive`` on
+    uint8, the same bits), as fast as the good case; elsewhere memcpy (a byte memoryview's
+    slice assignment), whose stores into lines another core has just read beat the loop's:
+    32 KiB into the small regime's slot, at 2 ranks, took 8.0 us a call with memcpy and
+    10.9-11.2 with the loop (2026-12-04).
     """
     target, source = target.view(np.uint8), source.view(np.uint8)
-    if target.nbytes < LOOP_COPY_BYTES:
-        return partial(memoryview(target).__setitem__, slice(None), memoryview(source))
-    return partial(np.positive, source, target)
+    if target.nbytes >= LOOP_COPY_BYTES and trapped(target, source):
+        return partial(np.positive, source, target)
+    return partial(memoryview(target).__setitem__, slice(None), memoryview(source))
+
+
+def trapped(target: np.ndarray, source: np.ndarray) -> bool:
+    """Whether memcpy from ``source`` to ``target`` falls in :func:`copy_call`'s slow band."""
+    return 0 < (target.ctypes.data - source.ctypes.data) % 4096 < TRAPPED_DISTANCE
 
 
 def placed(node: Node, call, source: np.ndarray, result: np.ndarray) -> tuple:
