@@ -26,6 +26,10 @@ CHUNK_BYTES = 512 << 10
 MAX_CHUNKS = 1024
 #: alignment of slot regions (a cache line).
 ALIGN = 64
+#: most bytes per rank whose small-regime load and reduce the compiled call path runs in C (an
+#: element loop: at 64 KiB it measured slower than the ufuncs); above, each run calls NumPy's
+#: ufunc (the model charges a combine's per-call cost there, not below).
+COMPILED_REDUCE_BYTES = 1024
 
 
 def small_bytes(nranks: int, shared: bool = False, small: int = SMALL_BYTES,

@@ -23,7 +23,7 @@ from .programs import (
     _rotated_ring,
     _table,
 )
-from .shm_layout import SMALL_BYTES, chunk_bytes, small_bytes
+from .shm_layout import COMPILED_REDUCE_BYTES, SMALL_BYTES, chunk_bytes, small_bytes
 from .simulate import (
     Prediction,
     _Costs,
@@ -191,13 +191,17 @@ class _NodeCosts:
     def copy(self, nbytes: int) -> float:
         return nbytes * float(self.machine.copy_at(nbytes)) if nbytes else 0.0
 
-    def combine(self, nbytes: int) -> float:
-        return nbytes * float(self.machine.gamma_at(self.dtype, nbytes)) + self.machine.combine
+    def combine(self, nbytes: int, call: bool = True) -> float:
+        """γ on ``nbytes``, and the per-call cost of a combine unless ``call`` is false."""
+        return (nbytes * float(self.machine.gamma_at(self.dtype, nbytes))
+                + (self.machine.combine if call else 0.0))
 
-    def reduce(self, ranks: int, nbytes: int) -> float:
-        """Combine ``nbytes`` of each of ``ranks`` slots (the peers' freshly written ones
-        cost ``shm_peer`` per byte beyond γ)."""
-        return (ranks - 1) * (self.combine(nbytes) + nbytes * self.machine.shm_peer)
+    def reduce(self, ranks: int, nbytes: int, call: bool = True, peer: bool = True) -> float:
+        """Combine ``nbytes`` of each of ``ranks`` slots (with ``peer``, the peers' freshly
+        written ones cost ``shm_peer`` per byte beyond γ); ``call``: each combine is a call of
+        its own."""
+        return (ranks - 1) * (self.combine(nbytes, call)
+                              + (nbytes * self.machine.shm_peer if peer else 0.0))
 
 
 def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Prediction:
@@ -225,17 +229,20 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
         time_ = node.copy(size) if not in_place else 0.0
         steps = 0
     elif size <= small_bytes(p):
+        # up to COMPILED_REDUCE_BYTES the compiled call path reduces in C, no combine calls:
+        # its cost per call is shm_small's (measured at 8 B)
+        calls = size > COMPILED_REDUCE_BYTES
         time_ = (machine.shm_small + node.phase(p, node.copy(size), 2 * size)
-                 + node.phase(p, node.reduce(p, size), (2 * p - 1) * size))
+                 + node.phase(p, node.reduce(p, size, calls), (2 * p - 1) * size))
         steps = 1
     else:
         part = -(-size // p)
         chunks = -(-size // chunk_bytes(size))
         time_ = (chunks * machine.shm_large
                  + node.phase(p, node.copy((p - 1) * part), 2 * (p - 1) * part)
-                 + node.phase(p, node.reduce(p, part) + node.copy(part), (p + 3) * part)
-                 + node.phase(p, (p - 1) * (node.copy(part) + machine.combine
-                                            + part * machine.shm_peer),
+                 + node.phase(p, node.reduce(p, part, peer=False) + node.copy(part),
+                              (p + 3) * part)
+                 + node.phase(p, (p - 1) * (node.copy(part) + machine.combine),
                               2 * (p - 1) * part))
         steps = 2
     zeros = np.zeros(nranks, dtype=np.int64)

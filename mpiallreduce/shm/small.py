@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from .. import _form
+from .._shm_sizes import COMPILED_REDUCE_BYTES
 from .node import Node
 from .plan import ShmPlan, _single, copy_call
 from .protocol import Stalled
@@ -18,8 +19,6 @@ from .protocol import Stalled
 #: most ranks of a node whose small-regime runs are compiled (``_compiled.SmallRun`` keeps its
 #: pointers in fixed arrays); larger nodes run the Python form's closures
 COMPILED_MAX_RANKS = 64
-#: most bytes per rank whose small-regime load and reduce are compiled too
-COMPILED_REDUCE_BYTES = 1024
 
 
 class SmallPlan(ShmPlan):
