@@ -313,6 +313,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     """
     from mpi4py import MPI
 
+    from ._shm_sizes import COMPILED_REDUCE_BYTES
     from .shm import small_bytes
 
     if comm.Get_size() < 2:
@@ -340,7 +341,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     across = split.node[0] != split.node[1]
     limit = small_bytes(comm.Get_size())  # the small regime's most bytes at this size
     shm = {} if across else {size: _shm_cost(comm, size, 100)
-                             for size in (8, limit // 2, 2 * limit)}
+                             for size in (8, 2 * COMPILED_REDUCE_BYTES, limit // 2, 2 * limit)}
     phased = {} if across else {size: _shm_cost(comm, size, 100, "hierarchical", intra="shm")
                                 for size in (8, 2 * limit)}
     node_curve = None
@@ -438,8 +439,11 @@ def _report(machine: Machine, path: str, out) -> None:
     curve = measured.curve or ()
     print("one-way: " + ", ".join(f"{human(b)} {t * 1e6:.3g} us" for b, t in curve
                                   if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)), file=out)
-    print(f"shm: small {machine.shm_small * 1e6:.2f} us, large {machine.shm_large * 1e6:.2f} "
-          f"us per call, {machine.shm_peer:.3g} s/B from the peers' slots; node "
+    above = ("" if machine.shm_call is None
+             else f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)")
+    print(f"shm: small {machine.shm_small * 1e6:.2f} us{above}, large "
+          f"{machine.shm_large * 1e6:.2f} us per call, {machine.shm_peer:.3g} s/B from the "
+          f"peers' slots; node "
           f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
           f"{machine.info.get('load')}", file=out)
     if machine.phased_small is not None:

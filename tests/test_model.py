@@ -601,6 +601,12 @@ def test_shm_regimes_and_the_node_bandwidth():
     tiny = COMPILED_REDUCE_BYTES
     assert predict("shm", p, tiny, machine=machine).time == pytest.approx(
         1e-6 + tiny * 1e-10 + (p - 1) * tiny * GAMMA, rel=1e-12)
+    # above, a measured shm_call takes the combine calls' place (once per run)
+    called = replace_(machine, shm_call=3e-7)
+    assert predict("shm", p, small, machine=called).time == pytest.approx(
+        1e-6 + 3e-7 + small * 1e-10 + (p - 1) * small * GAMMA, rel=1e-12)
+    assert predict("shm", p, tiny, machine=called).time == predict(
+        "shm", p, tiny, machine=machine).time
     large = 1 << 20
     part = large // p
     chunks = large // chunk_bytes(large)  # the large regime's fixed cost is per chunk
@@ -641,7 +647,7 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     path = tmp_path / "rich.json"
     rich = replace_(RICH, native_call=4e-7, shm_small=1e-6, shm_large=2e-5, shm_peer=1e-10,
                     node_bandwidth=2e10, node_curve=((4096, 1e11), (1 << 26, 2e10)), cores=2,
-                    phased_small=2e-6, phased_large=1e-5)
+                    phased_small=2e-6, phased_large=1e-5, shm_call=5e-7)
     rich.save(path)
     again = Machine.load(path)
     assert again == rich and again.intra.curve == rich.intra.curve
@@ -656,6 +662,7 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     assert (machine.request, machine.combine, machine.shm_small, machine.shm_peer,
             machine.node_bandwidth) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert machine.phased_small is None and machine.phased_large is None
+    assert machine.shm_call is None
     assert machine.intra.cost(1024) == pytest.approx(machine.intra.alpha
                                                      + 1024 * machine.intra.beta)
     for bad in ([[8, -1.0]], [[8, 1.0], [8, 2.0]], "no", [[0, 1.0]]):
@@ -895,11 +902,17 @@ def test_a_machine_refits_from_its_measurements_without_mpi():
         "plan_run_s": {"chain": 6e-6, "exchange": 7e-6, "reducing": 9e-6,
                        "reducing 1 step": 12e-6},
         "allreduce_s": 3e-6, "node": [0, 0], "cores": 2, "shm_small_limit": 128 << 10,
-        "shm_run_s": {"8": 2e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
+        "shm_run_s": {"8": 2e-6, "2048": 4e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
         "hierarchical_shm_run_s": {"8": 3e-6, str(256 << 10): 9e-5},
         "node_curve": [[4096, 2e10], [1 << 20, 1e10]], "node_bandwidth": 1e10,
         "info": {"host": "h"}}
     machine = machine_from(measured)
+    # shm's fixed costs reproduce its runs at 8 B and just past the compiled reduce's bytes
+    split = Topology.from_levels([0, 0])
+    for size in (8, 2048):
+        assert predict("shm", 2, size, split, machine).time == pytest.approx(
+            measured["shm_run_s"][str(size)], rel=1e-9)
+    assert machine.shm_call > 0
     assert machine.intra.curve[0] == (1, 2e-6) and machine.cores == 2
     assert machine.request == pytest.approx(1e-6) and machine.combine >= 0
     assert machine.call == pytest.approx(3e-6)

@@ -12,6 +12,7 @@ import numpy as np
 from ..topology import Topology
 from .machine import DEFAULT_MACHINE, NETWORK_100G, Link, Machine
 from .prediction import predict
+from .shm_layout import COMPILED_REDUCE_BYTES
 
 
 def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
@@ -100,8 +101,16 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
         half, large_size = limit // 2, 2 * limit
         small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
         machine = replace(machine, shm_small=small)
-        rest = shm[half] - predict("shm", nranks, half, split, machine).time
-        machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
+        above = 2 * COMPILED_REDUCE_BYTES  # the NumPy calls of the small regime's runs above
+        fitted_call = shm.get(above) is not None
+        for peer in (False, True):  # the call, the peers' rate with it, the call again
+            if fitted_call:
+                machine = replace(machine, shm_call=0.0)
+                call = shm[above] - predict("shm", nranks, above, split, machine).time
+                machine = replace(machine, shm_call=max(0.0, call))
+            if not peer:
+                rest = shm[half] - predict("shm", nranks, half, split, machine).time
+                machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
         large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
         machine = replace(machine, shm_large=max(0.0, large))
     if phased and all(v is not None for v in phased.values()) and split.nnodes == 1:

@@ -203,8 +203,12 @@ class Machine:
             shared-memory intra-node phase (:mod:`mpiallreduce.shm_nodes`) beyond their copies,
             combines and cross phase, in shm's small and large regimes, or None (``shm_small``
             and ``shm_large``): they publish twice per call and run more Python than ``shm``.
+        shm_call: seconds per call of shm's small regime above ``COMPILED_REDUCE_BYTES``
+            beyond ``shm_small`` (the calls into NumPy of its load and reduce, which the
+            compiled call path makes in C below), or None: a ``combine`` per combine.
         shm_peer: seconds per byte a rank of the shm transport reads from slots its peers have
-            just written (the lines come from the peer's cache), beyond the combine's γ.
+            just written (the lines come from the peer's cache), beyond the combine's γ (the
+            small regime's: the large regime's chunks are priced without it).
         node_bandwidth: bytes per second a node's memory moves for all its ranks at once
             (reads plus writes), or 0 (no limit): the shm transport's copies and combines run
             on every rank of the node together and cannot go faster than this.
@@ -244,6 +248,7 @@ class Machine:
     node_curve: tuple[tuple[int, float], ...] | None = None
     phased_small: float | None = None
     phased_large: float | None = None
+    shm_call: float | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
     levels: tuple[tuple[str, Link], ...] = ()
 
@@ -311,7 +316,7 @@ class Machine:
                 "shm_peer": self.shm_peer,
                 "node_bandwidth": self.node_bandwidth, "node_curve": curve(self.node_curve),
                 "phased_small": self.phased_small, "phased_large": self.phased_large,
-                "cores": self.cores,
+                "shm_call": self.shm_call, "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info,
                 "levels": [{"name": name, **link.to_dict()} for name, link in self.levels]}
 
@@ -362,6 +367,7 @@ class Machine:
                    node_curve=data.get("node_curve"),
                    phased_small=_optional_float(data.get("phased_small")),
                    phased_large=_optional_float(data.get("phased_large")),
+                   shm_call=_optional_float(data.get("shm_call")),
                    info=dict(data.get("info", {})))
 
     @classmethod

@@ -230,9 +230,12 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
         steps = 0
     elif size <= small_bytes(p):
         # up to COMPILED_REDUCE_BYTES the compiled call path reduces in C, no combine calls:
-        # its cost per call is shm_small's (measured at 8 B)
-        calls = size > COMPILED_REDUCE_BYTES
-        time_ = (machine.shm_small + node.phase(p, node.copy(size), 2 * size)
+        # its cost per call is shm_small's (measured at 8 B); above, its load and reduce call
+        # NumPy: shm_call where measured, else a combine's per-call cost per combine
+        above = size > COMPILED_REDUCE_BYTES
+        calls = above and machine.shm_call is None
+        time_ = (machine.shm_small + (machine.shm_call if above and not calls else 0.0)
+                 + node.phase(p, node.copy(size), 2 * size)
                  + node.phase(p, node.reduce(p, size, calls), (2 * p - 1) * size))
         steps = 1
     else:
