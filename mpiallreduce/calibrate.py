@@ -287,6 +287,42 @@ def _copy_cost(nbytes: int = 64 << 20, repeats: int = 7) -> float:
     return best / nbytes
 
 
+def _fault_cost(nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """Seconds per byte of the first writes into a fresh ``malloc`` of ``nbytes`` (the page
+    faults and the kernel's zeroing) beyond writes into memory already mapped, best of
+    ``repeats``; 0.0 where libc's malloc cannot be called. Open MPI's allreduce allocates a
+    whole-message temporary with malloc every call, and glibc maps one of 32 MiB or more
+    afresh each time (its largest mmap threshold on 64-bit), so its receives fault every page
+    in (``model.native.OMPI_FRESH_BYTES``). NumPy's own large arrays ask for huge pages, whose
+    faults cost far less: hence libc's malloc here."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        malloc, free = libc.malloc, libc.free
+    except (OSError, AttributeError):
+        return 0.0
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    mapped = np.zeros(nbytes, dtype=np.uint8)
+    fresh = written = float("inf")
+    for _ in range(repeats):
+        address = malloc(nbytes)
+        if not address:
+            return 0.0
+        try:
+            memory = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+            start = time.perf_counter()
+            memory.fill(1)
+            fresh = min(fresh, time.perf_counter() - start)
+        finally:
+            free(address)
+        start = time.perf_counter()
+        mapped.fill(1)
+        written = min(written, time.perf_counter() - start)
+    return max(0.0, fresh - written) / nbytes
+
+
 def _allreduce_cost(comm, iterations: int = 100) -> float:
     """Seconds per ``comm.Allreduce`` of one float64 from Python (out of place), slowest rank."""
     from mpi4py import MPI
@@ -327,6 +363,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
              for name in ("float32", "float64", "int32", "int64")]
     gamma_curve = comm.bcast(_gamma_curve(rate_sizes), root=0)
     copy = comm.bcast(_copy_cost(), root=0)
+    fault = comm.bcast(_fault_cost(), root=0)
     copy_curve = comm.bcast(_copy_curve(rate_sizes), root=0)
     shapes = _interpreter_terms(comm)
     allreduce = _allreduce_cost(comm)
@@ -359,7 +396,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     measured = {
         "pingpong_sizes": [int(size) for size in sizes], "pingpong_s": times,
         "gamma": gamma, "gamma_curve": [list(p) for p in gamma_curve], "copy": copy,
-        "copy_curve": [list(p) for p in copy_curve], "plan_run_s": shapes,
+        "copy_curve": [list(p) for p in copy_curve], "fault": fault, "plan_run_s": shapes,
         "allreduce_s": allreduce, "node": list(split.node), "cores": cores,
         "shm_small_limit": limit, "shm_run_s": {str(k): v for k, v in shm.items()},
         "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
@@ -443,7 +480,7 @@ def _report(machine: Machine, path: str, out) -> None:
              else f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)")
     print(f"shm: small {machine.shm_small * 1e6:.2f} us{above}, large "
           f"{machine.shm_large * 1e6:.2f} us per call, {machine.shm_peer:.3g} s/B from the "
-          f"peers' slots; node "
+          f"peers' slots; first writes to fresh pages {machine.fault * 1e9:.3f} ns/B; node "
           f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
           f"{machine.info.get('load')}", file=out)
     if machine.phased_small is not None:

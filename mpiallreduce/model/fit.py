@@ -90,6 +90,7 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
                       gamma_curve=tuple(map(tuple, measured["gamma_curve"])),
                       copy_curve=tuple(map(tuple, measured["copy_curve"])),
                       node_bandwidth=measured.get("node_bandwidth", 0.0),
+                      fault=measured.get("fault", 0.0),
                       node_curve=None if node_curve is None else tuple(map(tuple, node_curve)))
     nranks = len(split.node)
     modelled = predict("native", nranks, 8, split, machine, "float64").time

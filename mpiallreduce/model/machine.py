@@ -203,6 +203,10 @@ class Machine:
             shared-memory intra-node phase (:mod:`mpiallreduce.shm_nodes`) beyond their copies,
             combines and cross phase, in shm's small and large regimes, or None (``shm_small``
             and ``shm_large``): they publish twice per call and run more Python than ``shm``.
+        fault: seconds per byte of the first writes into memory malloc has just mapped (page
+            faults, the kernel zeroing the pages) beyond plain writes: Open MPI's native
+            allreduce pays it where its whole-message temporary is mapped afresh each call
+            (``native.OMPI_FRESH_BYTES``); 0: not modelled.
         shm_call: seconds per call of shm's small regime above ``COMPILED_REDUCE_BYTES``
             beyond ``shm_small`` (the calls into NumPy of its load and reduce, which the
             compiled call path makes in C below), or None: a ``combine`` per combine.
@@ -249,6 +253,7 @@ class Machine:
     phased_small: float | None = None
     phased_large: float | None = None
     shm_call: float | None = None
+    fault: float = 0.0
     info: dict = field(default_factory=dict, compare=False, hash=False)
     levels: tuple[tuple[str, Link], ...] = ()
 
@@ -316,7 +321,7 @@ class Machine:
                 "shm_peer": self.shm_peer,
                 "node_bandwidth": self.node_bandwidth, "node_curve": curve(self.node_curve),
                 "phased_small": self.phased_small, "phased_large": self.phased_large,
-                "shm_call": self.shm_call, "cores": self.cores,
+                "shm_call": self.shm_call, "fault": self.fault, "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info,
                 "levels": [{"name": name, **link.to_dict()} for name, link in self.levels]}
 
@@ -368,6 +373,7 @@ class Machine:
                    phased_small=_optional_float(data.get("phased_small")),
                    phased_large=_optional_float(data.get("phased_large")),
                    shm_call=_optional_float(data.get("shm_call")),
+                   fault=float(data.get("fault", 0.0)),
                    info=dict(data.get("info", {})))
 
     @classmethod

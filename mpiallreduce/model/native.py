@@ -35,6 +35,13 @@ OMPI_ALLREDUCE_NONCOMMUTATIVE = (
 #: doubling allocates a temporary and copies the input into it, the ring copies sendbuf into
 #: recvbuf, Rabenseifner allocates a temporary and copies sendbuf into recvbuf.
 OMPI_COPIES = frozenset({3, 4, 5, 6})
+#: bytes from which a malloc is mapped afresh on every call: glibc's largest dynamic mmap
+#: threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); below it a freed
+#: temporary returns to the heap and the next call reuses its pages. Open MPI's recursive
+#: doubling and Rabenseifner malloc a whole-message temporary per call, so from here their
+#: receives fault its pages in every call (2 ranks, 2026-12-04: native in place at 64 MiB took
+#: 2.36x our Rabenseifner, 0.99x with MALLOC_MMAP_THRESHOLD_ raised to 1 GiB).
+OMPI_FRESH_BYTES = 32 << 20
 
 
 def _ompi_choice(nranks: int, nbytes: int, commutative: bool) -> int:

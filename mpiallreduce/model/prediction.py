@@ -13,7 +13,7 @@ from ..algorithms.nodes import NODE_PHASED
 from ..partition import block
 from ..topology import Topology
 from .machine import DEFAULT_MACHINE, INTRA, Machine, check_cores
-from .native import OMPI_COPIES, _ompi_choice, native_algorithm
+from .native import OMPI_COPIES, OMPI_FRESH_BYTES, _ompi_choice, native_algorithm
 from .programs import (
     ROTATION_INVARIANT,
     _base_parts,
@@ -135,7 +135,9 @@ def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered
     """Open MPI's fixed decision in C: no interpreter terms, its copies, mpi4py's call.
 
     Copies of the whole message per call (:func:`native_copies`, from Open MPI 5.0's
-    ``coll_base_allreduce.c``) at the calibrated allocate-and-copy rate for that size.
+    ``coll_base_allreduce.c``) at the calibrated allocate-and-copy rate for that size, and
+    the first writes into its temporary where malloc maps it afresh each call
+    (:func:`native_faulted`, at the machine's ``fault`` rate).
     """
     itemsize = np.dtype(dtype).itemsize
     stand_in = native_algorithm(nranks, int(nbytes), itemsize, not ordered)
@@ -145,7 +147,27 @@ def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered
         size = int(nbytes) // itemsize * itemsize
         copies = native_copies(nranks, int(nbytes), itemsize, not ordered, in_place)
         result.time += copies * size * float(machine.copy_at(size)) + machine.native_call
+        if machine.fault:
+            result.time += machine.fault * native_faulted(nranks, size, itemsize, not ordered)
     return result
+
+
+def native_faulted(nranks: int, nbytes: int, itemsize: int = 4, commutative: bool = True) -> int:
+    """Bytes of Open MPI 5.0's whole-message temporary its slowest rank writes first per call,
+    where the temporary is mapped afresh every call (``nbytes`` at least
+    :data:`~.native.OMPI_FRESH_BYTES`; below, it reuses heap pages): recursive doubling copies
+    the input into it (all of it), Rabenseifner receives the halved blocks of its
+    reduce-scatter into it (``nbytes`` (1 - 1/pof2)). The ring's temporaries are blocks, and
+    the tree stand-in's algorithms are not counted."""
+    if nranks < 2 or nbytes < OMPI_FRESH_BYTES:
+        return 0
+    stand_in = native_algorithm(nranks, nbytes, itemsize, commutative)
+    if stand_in == "recursive_doubling":
+        return nbytes
+    if stand_in == "rabenseifner":
+        pof2 = 1 << (nranks.bit_length() - 1)
+        return nbytes - nbytes // pof2
+    return 0
 
 
 def native_copies(nranks: int, nbytes: int, itemsize: int = 4, commutative: bool = True,
