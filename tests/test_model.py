@@ -1135,11 +1135,11 @@ def test_native_faults_its_fresh_temporary_in_from_32_mib():
     from mpiallreduce.model.native import OMPI_FRESH_BYTES, native_algorithm
     from mpiallreduce.model.prediction import native_faulted
 
-    faulting = replace_(DEFAULT_MACHINE, fault=5e-10)
+    faulting, plain = replace_(DEFAULT_MACHINE, fault=5e-10), replace_(DEFAULT_MACHINE, fault=0.0)
     for p in (2, 3, 4, 8):
         for size in (OMPI_FRESH_BYTES // 2, OMPI_FRESH_BYTES, 2 * OMPI_FRESH_BYTES):
             extra = (predict("native", p, size, machine=faulting, in_place=True).time
-                     - predict("native", p, size, machine=DEFAULT_MACHINE, in_place=True).time)
+                     - predict("native", p, size, machine=plain, in_place=True).time)
             touched = native_faulted(p, size, 8)
             assert extra == pytest.approx(touched * 5e-10, rel=1e-9, abs=1e-15)
             if size < OMPI_FRESH_BYTES:

@@ -426,6 +426,9 @@ DEFAULT_MACHINE = Machine(
     shm_large=3.2e-6,
     shm_peer=2.0e-10,
     node_bandwidth=4.3e10,
+    # first writes into a fresh libc malloc of 64 MiB beyond plain writes, as calibrate
+    # measured it on the 2-core VM of 2026-12-04 (0.545 and 0.552 ns/B, two jobs)
+    fault=5.5e-10,
     info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
                     "VM (Open MPI 5.0.11, 2026-11-30, after the executor's flat run loop); "
                     "shm terms from that VM's fitted and idle runs of 2026-12-01; "
