@@ -24,3 +24,22 @@ if ALGORITHM != "plain":
 
     MPI.COMM_WORLD = mar.Comm(MPI.COMM_WORLD, ALGORITHM)
     MPI.COMM_SELF = mar.Comm(MPI.COMM_SELF, ALGORITHM)
+
+
+def pytest_collection_modifyitems(items):
+    """The refusals listed for this algorithm (``mpi4py_suite_refusals.txt``) run as non-strict
+    xfails, so a run whose only failures are those exits 0: under ``python -m mpi4py`` a rank
+    whose pytest exits 1 calls MPI_Abort, which could kill a slower rank before it wrote its
+    report (CI rehearsal 2026-12-04: ring at -n 2, "1 of 2 ranks reported"). The suite still
+    compares every test's outcome with plain mpi4py's, and allows these to differ."""
+    import pytest
+    from mpi4py_suite import refusals
+
+    refused = refusals().get(ALGORITHM, set())
+    for item in items:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+        test = ".".join([module, *item.nodeid.split("::")[1:]])
+        if test in refused:
+            item.add_marker(pytest.mark.xfail(reason="mpiallreduce refuses it "
+                                                     "(scripts/mpi4py_suite_refusals.txt)",
+                                              strict=False))
