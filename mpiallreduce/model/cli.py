@@ -22,7 +22,7 @@ from .machine import (
     Switch,
     check_cores,
 )
-from .native import native_algorithm
+from .native import OMPI_FRESH_BYTES, native_algorithm
 from .prediction import SHARP, candidates, predict
 
 
@@ -224,13 +224,18 @@ def _run_predict(opts, out) -> int:
           "of the size, native included", file=out)
     print(f"# native: Open MPI 5.0 coll/tuned's fixed decision table in C ("
           f"{_native_ranges(opts.ranks, sizes, dtype)}), plus its per-call copy of the message "
-          f"and mpi4py's call ({machine.native_call * 1e6:.2f} us), no interpreter terms",
+          f"and mpi4py's call ({machine.native_call * 1e6:.2f} us), no interpreter terms"
+          + (f"; from {OMPI_FRESH_BYTES >> 20} MiB its fresh temporary's first writes "
+             f"({machine.fault * 1e9:.3f} ns/B)" if machine.fault else ""),
           file=out)
     print(f"# hierarchical, cascade: intra-node phase {opts.intra}"
           + (" (shared memory where a node holds two ranks or more, as the library runs them)"
              if opts.intra == "auto" else "")
-          + f"; shm per call small {machine.shm_small * 1e6:.2f} us, large "
-            f"{machine.shm_large * 1e6:.2f} us, peer reads {machine.shm_peer:.3g} s/B, node "
+          + f"; shm per call small {machine.shm_small * 1e6:.2f} us"
+          + (f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)"
+             if machine.shm_call is not None else "")
+          + ", large "
+          + f"{machine.shm_large * 1e6:.2f} us, peer reads {machine.shm_peer:.3g} s/B, node "
             f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s", file=out)
     if machine.switch is not None:
         _print_switch(machine.switch, opts.ranks, opts.ranks_per_node or opts.ranks, out)
