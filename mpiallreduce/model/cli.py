@@ -234,9 +234,8 @@ def _run_predict(opts, out) -> int:
           + f"; shm per call small {machine.shm_small * 1e6:.2f} us"
           + (f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)"
              if machine.shm_call is not None else "")
-          + ", large "
-          + f"{machine.shm_large * 1e6:.2f} us, peer reads {machine.shm_peer:.3g} s/B, node "
-            f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s", file=out)
+          + f", large {machine.shm_large * 1e6:.2f} us, peer reads {machine.shm_peer:.3g} s/B, "
+            f"node bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s", file=out)
     if machine.switch is not None:
         _print_switch(machine.switch, opts.ranks, opts.ranks_per_node or opts.ranks, out)
     print(f"#{'size(B)':>11} {'algorithm':<20} {'time(us)':>14} {'busbw(GB/s)':>12} "

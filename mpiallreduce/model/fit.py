@@ -103,15 +103,18 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
         small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
         machine = replace(machine, shm_small=small)
         above = 2 * COMPILED_REDUCE_BYTES  # the NumPy calls of the small regime's runs above
-        fitted_call = shm.get(above) is not None
-        for peer in (False, True):  # the call, the peers' rate with it, the call again
-            if fitted_call:
-                machine = replace(machine, shm_call=0.0)
-                call = shm[above] - predict("shm", nranks, above, split, machine).time
-                machine = replace(machine, shm_call=max(0.0, call))
-            if not peer:
-                rest = shm[half] - predict("shm", nranks, half, split, machine).time
-                machine = replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half)))
+
+        def with_call(machine: Machine) -> Machine:
+            if shm.get(above) is None:  # a calibration from before shm_call: none
+                return machine
+            machine = replace(machine, shm_call=0.0)
+            call = shm[above] - predict("shm", nranks, above, split, machine).time
+            return replace(machine, shm_call=max(0.0, call))
+
+        # the call, the peers' rate with it, then the call again with that rate
+        machine = with_call(machine)
+        rest = shm[half] - predict("shm", nranks, half, split, machine).time
+        machine = with_call(replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half))))
         large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
         machine = replace(machine, shm_large=max(0.0, large))
     if phased and all(v is not None for v in phased.values()) and split.nnodes == 1:

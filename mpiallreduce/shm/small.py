@@ -60,9 +60,9 @@ class SmallPlan(ShmPlan):
         slots = self._slots(parity)
         rank = self._node.rank
         phase = self._phase
-        # (copy_call: from 4 KiB NumPy's byte loop, not memcpy, whose rep movsb runs 3-10x
-        # slower where the slot lies 1-31 bytes past the input modulo 4096: an input ending
-        # within 32 bytes of a page, slots starting on one)
+        # (copy_call: memcpy, but from 4 KiB NumPy's byte loop where the slot lies 1-63 bytes
+        # past the input modulo 4096, where memcpy's rep movsb runs 3-10x slower: slots start
+        # on a page, so an input ending just before one)
         load = [*phase("run", None, ()),
                 *phase("arrive", None, [copy_call(slots[rank], source)]),
                 *phase("wait", None, ())]
