@@ -29,7 +29,7 @@ from mpiallreduce.partition import block, block_counts
 pytestmark = pytest.mark.mpi(min_size=2)
 
 SCHEDULES = [name for name in mar.ALGORITHMS if name not in ("native", "auto")]
-TIMEOUT = 0.5
+TIMEOUT = 0.3  # short: each run of this file waits it out some 50 times
 #: seconds past the timeout that only a hang exceeds (no speed is measured here: other jobs share
 #: the machine's cores, and a stuck rank would otherwise wait for the job's own timeout)
 HANG = 120.0
