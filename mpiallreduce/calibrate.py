@@ -81,6 +81,27 @@ CURVE_SIZES = tuple(1 << k for k in range(27))
 RATE_SIZES = tuple(1 << k for k in range(12, 27))
 
 
+def _sendrecv(comm, nbytes: int) -> float:
+    """Seconds per blocking ``Sendrecv`` of ``nbytes`` between ranks 0 and 1, both sending at
+    once as MPI's collectives exchange (best of rounds, the slower of the two; others idle).
+    Many rounds of many calls up to 64 KiB: the best of 7 rounds of 100 calls scattered
+    0.5-2.7 us at 1 B-2 KiB in one job, where 25 rounds of 2000 held 1.3-1.8 us."""
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    iterations = int(min(2000, max(5, (32 << 20) // max(nbytes, 1))))
+    send, recv = np.ones(max(nbytes, 1), np.uint8), np.empty(max(nbytes, 1), np.uint8)
+    best = float("inf")
+    for _ in range(SHORT_REPEATS if nbytes <= 64 << 10 else REPEATS):
+        comm.Barrier()
+        start = MPI.Wtime()
+        if rank < 2:
+            for _ in range(iterations):
+                comm.Sendrecv(send[:nbytes], 1 - rank, 7, recv[:nbytes], 1 - rank, 7)
+        best = min(best, (MPI.Wtime() - start) / iterations)
+    return comm.allreduce(best if rank < 2 else 0.0, op=MPI.MAX)
+
+
 def _best(call, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -214,6 +235,45 @@ def _interpreter_terms(comm, nsteps: int = 33) -> dict:
         result[label] = (many - one) / (nsteps - 1)
         result[label + " 1 step"] = one
     return result
+
+
+#: the library's own point-to-point plans and MPI's ``Allreduce`` that :func:`measure` times at
+#: small sizes in float32 (the bench's default), both modes: ``machine_from`` fits the per-call
+#: terms to them (:func:`.model.fit.fit_terms`). The synthetic shapes alone price the call path
+#: as it does not run: in one job (2026-12-04, 2 ranks) the library's recursive doubling took
+#: 1.8 us at 8 B where the shapes' one-element reducing step took 2.7 us, and the model put
+#: every schedule 1.5-2x too slow against native up to 2 KiB.
+LIBRARY_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner")
+LIBRARY_SIZES = (8, 256, 2048)
+
+
+def _library_runs(comm, iterations: int = 400) -> list[dict]:
+    """Microseconds per run of :data:`LIBRARY_ALGORITHMS` at :data:`LIBRARY_SIZES` bytes of
+    float32, out of place and in place (the slowest rank's best round, as bench rows:
+    ``algorithm``, ``size``, ``in_place``, ``avg_us``)."""
+    from mpi4py import MPI
+
+    from .api import plan
+
+    rows = []
+    for in_place in (False, True):
+        for size in LIBRARY_SIZES:
+            x = np.ones(size // 4, np.float32)
+            y = np.ones_like(x)
+            send = MPI.IN_PLACE if in_place else x
+            for name in LIBRARY_ALGORITHMS:
+                bound = None if name == "native" else plan(send, y, MPI.SUM, comm, name)
+                run = (partial(comm.Allreduce, send, y, MPI.SUM) if bound is None
+                       else bound.run)
+                try:  # in place, every run adds to the last result: inf costs nothing
+                    with np.errstate(all="ignore"):
+                        seconds = _seconds_per_run(comm, run, iterations)
+                finally:
+                    if bound is not None:
+                        bound.free()
+                rows.append({"algorithm": name, "size": size, "in_place": in_place,
+                             "avg_us": seconds * 1e6})
+    return rows
 
 
 def _shm_cost(comm, nbytes: int, iterations: int, algorithm: str = "shm", **params
@@ -359,6 +419,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     for nbytes in sizes:
         iterations = int(min(100, max(5, (16 << 20) // max(nbytes, 1))))
         times.append(_pingpong_persistent(comm, nbytes, iterations))
+    exchanges = [_sendrecv(comm, nbytes) for nbytes in sizes]
     gamma = [[name, comm.bcast(_gamma(name), root=0)]
              for name in ("float32", "float64", "int32", "int64")]
     gamma_curve = comm.bcast(_gamma_curve(rate_sizes), root=0)
@@ -367,6 +428,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     copy_curve = comm.bcast(_copy_curve(rate_sizes), root=0)
     shapes = _interpreter_terms(comm)
     allreduce = _allreduce_cost(comm)
+    library = _library_runs(comm)
     split = Topology.from_comm(comm)
     # the cores of this node: the union of what its ranks may run on (mpirun binds each rank to
     # one core, so one rank's own affinity says 1)
@@ -395,9 +457,10 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
             "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     measured = {
         "pingpong_sizes": [int(size) for size in sizes], "pingpong_s": times,
+        "sendrecv_s": exchanges,
         "gamma": gamma, "gamma_curve": [list(p) for p in gamma_curve], "copy": copy,
         "copy_curve": [list(p) for p in copy_curve], "fault": fault, "plan_run_s": shapes,
-        "allreduce_s": allreduce, "node": list(split.node), "cores": cores,
+        "allreduce_s": allreduce, "library_runs": library, "node": list(split.node), "cores": cores,
         "shm_small_limit": limit, "shm_run_s": {str(k): v for k, v in shm.items()},
         "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
         "node_curve": None if node_curve is None else [list(p) for p in node_curve],

@@ -10,6 +10,14 @@ against measured.
         --measured scripts/bench-n2-out.json --measured scripts/bench-n2-in.json
     scripts/predict_vs_measured.py --calibrate machine.json --ranks 2 --modes out,in \
         --sizes 8:64M --repeat 3     # calibrate, then the bench, back to back (quiet machine)
+    scripts/predict_vs_measured.py --calibrate machine.json --in-job --modes out,in \
+        --sizes 8:64M --repeat 3 --save-measured bench.json   # both in one mpirun job
+
+``--in-job`` (with ``--calibrate``, at -n 2) calibrates and then runs the bench in each mode
+inside one ``mpirun`` job, the same two processes: this VM's speed moves from one job to the
+next (placement, the state of the host), and Python's per-call costs and MPI's move by
+different factors, so a calibration made in one job and judged on a bench of another mixes
+two machines. In one job, what is left is the model's own error.
 
 ``--measured`` takes rows saved by ``--save-measured`` or the ``--json`` file of
 ``mpiallreduce.bench`` itself (its header says the ranks, simulated nodes and whether it ran
@@ -92,6 +100,42 @@ def calibrate(path: str) -> Machine:
     subprocess.run(_mpirun(2) + ["mpiallreduce.model", "calibrate", "-o", path], env=env,
                    check=True, timeout=600, stdout=subprocess.DEVNULL)
     return Machine.load(path)
+
+
+def in_job(path: str, sizes: str, iterations: int | None, modes: list[str], repeat: int
+           ) -> tuple[Machine, dict]:
+    """Calibrate into ``path``, then run the bench in each of ``modes``, in one ``mpirun -n 2``
+    job (this script as its worker, :func:`worker`); return the machine and the rows."""
+    env = {**os.environ, **OPEN_MPI_ENV, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(_mpirun(2)[:-1] + [__file__, "--worker", tmp, "--calibrate", path,
+                                          "--sizes", sizes, "--repeat", str(repeat),
+                                          "--modes", ",".join(modes)]
+                       + ([] if iterations is None else ["--iterations", str(iterations)]),
+                       env=env, check=True, timeout=3600, stdout=subprocess.DEVNULL)
+        rows = {(label(2, None), mode): json.loads(
+            (pathlib.Path(tmp) / f"bench-{mode}.json").read_text())["rows"] for mode in modes}
+    return Machine.load(path), rows
+
+
+def worker(opts) -> int:
+    """The MPI side of :func:`in_job` (every rank): calibrate, then the bench per mode."""
+    from mpi4py import MPI
+
+    from mpiallreduce.bench.cli import main as bench_main
+    from mpiallreduce.calibrate import calibrate as measure
+
+    comm = MPI.COMM_WORLD
+    machine = measure(comm)
+    if comm.rank == 0:
+        machine.save(opts.calibrate)
+    status = 0
+    for mode in opts.modes.split(","):
+        argv = ["--quiet", "--no-validate", "--sizes", opts.sizes, "--repeat", str(opts.repeat),
+                "--json", str(pathlib.Path(opts.worker) / f"bench-{mode}.json")]
+        argv += [] if opts.iterations is None else ["--iterations", str(opts.iterations)]
+        status = status or bench_main(argv + (["--in-place"] if mode == "in" else []), comm)
+    return status
 
 
 #: a repeated row is steady when every round lies within this band of the rows' median
@@ -458,18 +502,44 @@ def main(argv=None, out=None) -> int:
                              "(default auto, as the library runs them; p2p for rows measured "
                              "before it could run over shared memory, e.g. the stored "
                              "scripts/bench-n2-*.json)")
+    parser.add_argument("--in-job", action="store_true",
+                        help="with --calibrate: calibrate and run the bench in one mpirun job "
+                             "(-n 2 only), not one job each")
+    parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    if opts.worker:
+        return worker(opts)
+    if opts.in_job and not opts.calibrate:
+        parser.error("--in-job runs the calibration: give it --calibrate FILE.json")
+    if opts.in_job and opts.ranks not in ("2", parser.get_default("ranks")):
+        parser.error("--in-job runs at -n 2 only")
     if opts.calibrate and opts.measured:
         parser.error("--calibrate measures this machine now; --measured re-predicts old rows")
     machine = Machine.load(opts.machine) if opts.machine else DEFAULT_MACHINE
-    if opts.calibrate:
+    in_job_rows = None
+    if opts.calibrate and opts.in_job:
+        modes = (opts.modes or ("in" if opts.in_place else "out")).split(",")
+        if set(modes) - {"out", "in"}:
+            parser.error("--modes takes out and in")
+        machine, in_job_rows = in_job(opts.calibrate, opts.sizes, opts.iterations, modes,
+                                      opts.repeat)
+    elif opts.calibrate:
         machine = calibrate(opts.calibrate)
     largest = None if opts.max_size is None else parse_size(opts.max_size)
     reference = None
     if opts.fit:
         reference = keep_sizes(load_measured(opts.fit), largest)
         machine = fitted(machine, reference)
-    if opts.measured:
+    if in_job_rows is not None:
+        measured = in_job_rows
+        if opts.save_measured:
+            for (case, mode), rows in measured.items():
+                path = pathlib.Path(opts.save_measured)
+                if len(measured) > 1:
+                    path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
+                path.write_text(json.dumps({"cases": {case: rows}, "in_place": mode == "in"})
+                                + "\n")
+    elif opts.measured:
         try:
             measured = load_measured(opts.measured)
         except (OSError, ValueError, KeyError) as error:
@@ -497,6 +567,7 @@ def main(argv=None, out=None) -> int:
     records = compare(keep_sizes(measured, largest), machine, opts.cores, opts.intra)
     info = machine.info
     print(f"# machine: {opts.calibrate or opts.machine or 'built-in'}"
+          + (" (calibrated in the bench's job)" if opts.in_job else "")
           + (f", terms fitted to {', '.join(opts.fit)}" if opts.fit else "") + " ("
           f"{info.get('host', '')} {info.get('date', info.get('source', ''))}, load "
           f"{info.get('load', '?')}); measured: {', '.join(opts.measured or ['this run'])}",

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from mpiallreduce._shm_sizes import COMPILED_REDUCE_BYTES
-from mpiallreduce.calibrate import calibrate
+from mpiallreduce.calibrate import LIBRARY_ALGORITHMS, LIBRARY_SIZES, calibrate
 from mpiallreduce.model import Machine, machine_from, predict
 from mpiallreduce.shm import small_bytes
 
@@ -43,6 +43,16 @@ def test_calibrate_measures_every_term_on_every_rank():
     assert machine.phased_small >= 0 and machine.phased_large >= 0
     assert set(machine.info["plan_run_s"]) >= {"chain per step", "exchange per step",
                                                "reducing exchange per step"}
+    # MPI's blocking exchange for native's messages, at the ping-pong's sizes
+    assert [b for b, _ in machine.native_link.curve] == list(sizes)
+    assert all(t >= 0 for _, t in machine.native_link.curve)
+    assert machine.native_link.curve[0][1] == link.curve[0][1]
+    # the library's own runs, every algorithm, size and mode, that the per-call terms fit
+    runs = machine.info["measurements"]["library_runs"]
+    assert sorted((r["algorithm"], r["size"], r["in_place"]) for r in runs) == sorted(
+        (name, size, mode) for name in LIBRARY_ALGORITHMS for size in LIBRARY_SIZES
+        for mode in (False, True))
+    assert all(r["avg_us"] > 0 for r in runs)
     # one machine on every rank (rank 0's measurements, broadcast)
     assert comm.allgather(machine.to_dict()) == [machine.to_dict()] * comm.Get_size()
     assert Machine.from_dict(machine.to_dict()) == machine

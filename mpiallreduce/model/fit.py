@@ -36,6 +36,13 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
     return Link(float(max(alpha, 0.0)), float(max(beta, 0.0)))
 
 
+#: largest message whose cost ``native_link`` takes from calibrate's blocking exchange. Up to
+#: here it steps where the ping-pong does not (eager paths); past it both are rendezvous and
+#: bandwidth, and the exchange's few rounds of large messages scatter (60 us at 128 KiB, 35 at
+#: 256 KiB in one job), so native's large messages keep the ping-pong's curve.
+NATIVE_LINK_BYTES = 64 << 10
+
+
 def machine_from(measured: dict, inter: Link | None = None) -> Machine:
     """Return the machine that ``measured`` (what :func:`mpiallreduce.calibrate.measure`
     returns, or the ``measurements`` kept in a calibrated machine file's info) describes.
@@ -46,7 +53,12 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
       :data:`NETWORK_100G`) or the built-in machine;
     - ``step``, ``request``, ``combine``, ``call`` from the three shapes of one-element plan
       runs, less the ping-pong's message (clamped at 0);
+    - ``native_link``: the blocking ``Sendrecv`` exchange by size, shifted to the ping-pong's
+      time at the smallest size, up to :data:`NATIVE_LINK_BYTES` (one node only);
     - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
+    - where ``measured`` has ``library_runs`` (the library's own plans and MPI's ``Allreduce``
+      at a few small sizes), ``step``, ``request``, ``combine``, ``call`` and ``native_call``
+      refitted to those (:func:`fit_terms`): the call path as it runs;
     - ``shm_small``, ``shm_peer``, ``shm_large`` and ``phased_small``/``phased_large``: the
       measured runs less the model's copies and combines there (one node only).
     """
@@ -92,6 +104,15 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
                       node_bandwidth=measured.get("node_bandwidth", 0.0),
                       fault=measured.get("fault", 0.0),
                       node_curve=None if node_curve is None else tuple(map(tuple, node_curve)))
+    exchanges = measured.get("sendrecv_s")
+    if exchanges and not across:
+        # MPI's own blocking exchange, its shape by size at the ping-pong's smallest time, up
+        # to NATIVE_LINK_BYTES; past them the ping-pong's (the same protocol)
+        shifted = [max(0.0, s - exchanges[0] + times[0]) if b <= NATIVE_LINK_BYTES else t
+                   for b, s, t in zip(sizes, exchanges, times)]
+        line = fit_alpha_beta([b for b, _ in fitted], shifted[:len(fitted)])
+        machine = replace(machine, native_link=Link(line.alpha, line.beta,
+                                                    tuple(zip(map(int, sizes), shifted))))
     nranks = len(split.node)
     modelled = predict("native", nranks, 8, split, machine, "float64").time
     machine = replace(machine, native_call=max(0.0, measured["allreduce_s"] - modelled))
@@ -125,6 +146,10 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
                                replace(machine, **{name: 0.0}), intra="shm").time
             fields[name] = max(0.0, phased[size] - modelled)
         machine = replace(machine, **fields)
+    library = measured.get("library_runs")
+    if library:
+        machine = fit_terms(machine, library, nranks, split,
+                            in_place=[bool(row["in_place"]) for row in library])
     return replace(machine, cores=measured["cores"])
 
 
