@@ -116,6 +116,10 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
     nranks = len(split.node)
     modelled = predict("native", nranks, 8, split, machine, "float64").time
     machine = replace(machine, native_call=max(0.0, measured["allreduce_s"] - modelled))
+    library = measured.get("library_runs")
+    if library:  # before the shm and phased terms: those are what the runs leave over them
+        machine = fit_terms(machine, library, nranks, split,
+                            in_place=[bool(row["in_place"]) for row in library])
     limit = measured.get("shm_small_limit")
     if shm and all(v is not None for v in shm.values()) and split.nnodes == 1:
         # the small regime's fixed cost at 8 B, its per-byte read of the peers' slots from
@@ -146,10 +150,6 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
                                replace(machine, **{name: 0.0}), intra="shm").time
             fields[name] = max(0.0, phased[size] - modelled)
         machine = replace(machine, **fields)
-    library = measured.get("library_runs")
-    if library:
-        machine = fit_terms(machine, library, nranks, split,
-                            in_place=[bool(row["in_place"]) for row in library])
     return replace(machine, cores=measured["cores"])
 
 
