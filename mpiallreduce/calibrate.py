@@ -419,6 +419,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     for nbytes in sizes:
         iterations = int(min(100, max(5, (16 << 20) // max(nbytes, 1))))
         times.append(_pingpong_persistent(comm, nbytes, iterations))
+    _sendrecv(comm, 1)  # untimed: the first exchanges of a job ran 0.5 us slower
     exchanges = [_sendrecv(comm, nbytes) for nbytes in sizes]
     gamma = [[name, comm.bcast(_gamma(name), root=0)]
              for name in ("float32", "float64", "int32", "int64")]
@@ -537,8 +538,16 @@ def _report(machine: Machine, path: str, out) -> None:
           f"combine: {machine.combine * 1e6:.2f} us, call: {machine.call * 1e6:.2f} us, "
           f"native_call: {machine.native_call * 1e6:.2f} us, cores: {machine.cores}", file=out)
     curve = measured.curve or ()
+    shown = (8, 2048, 4096, 65536, 1 << 20, 64 << 20)
     print("one-way: " + ", ".join(f"{human(b)} {t * 1e6:.3g} us" for b, t in curve
-                                  if b in (8, 2048, 4096, 65536, 1 << 20, 64 << 20)), file=out)
+                                  if b in shown), file=out)
+    if machine.native_link is not None and machine.native_link.curve:
+        print("MPI's blocking exchange (native's messages): " + ", ".join(
+            f"{human(b)} {t * 1e6:.3g} us" for b, t in machine.native_link.curve
+            if b in shown[:4]), file=out)
+    if machine.info.get("measurements", {}).get("library_runs"):
+        print("(step, request, combine, call and native_call fitted to the library's own "
+              "runs at " + ", ".join(human(size) for size in LIBRARY_SIZES) + ")", file=out)
     above = ("" if machine.shm_call is None
              else f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)")
     print(f"shm: small {machine.shm_small * 1e6:.2f} us{above}, large "

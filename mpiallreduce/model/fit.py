@@ -53,8 +53,8 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
       :data:`NETWORK_100G`) or the built-in machine;
     - ``step``, ``request``, ``combine``, ``call`` from the three shapes of one-element plan
       runs, less the ping-pong's message (clamped at 0);
-    - ``native_link``: the blocking ``Sendrecv`` exchange by size, shifted to the ping-pong's
-      time at the smallest size, up to :data:`NATIVE_LINK_BYTES` (one node only);
+    - ``native_link``: the blocking ``Sendrecv`` exchange by size less its median excess over
+      the ping-pong up to 64 B, up to :data:`NATIVE_LINK_BYTES` (one node only);
     - ``native_call``: ``comm.Allreduce`` of one float64 less the model's time for it;
     - where ``measured`` has ``library_runs`` (the library's own plans and MPI's ``Allreduce``
       at a few small sizes), ``step``, ``request``, ``combine``, ``call`` and ``native_call``
@@ -106,9 +106,13 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
                       node_curve=None if node_curve is None else tuple(map(tuple, node_curve)))
     exchanges = measured.get("sendrecv_s")
     if exchanges and not across:
-        # MPI's own blocking exchange, its shape by size at the ping-pong's smallest time, up
-        # to NATIVE_LINK_BYTES; past them the ping-pong's (the same protocol)
-        shifted = [max(0.0, s - exchanges[0] + times[0]) if b <= NATIVE_LINK_BYTES else t
+        # MPI's own blocking exchange, its shape by size, less mpi4py's own call: the median
+        # of its excess over the ping-pong up to 64 B (one size alone can be an outlier: the
+        # first of a job's exchanges ran 0.5 us slow); up to NATIVE_LINK_BYTES, past them the
+        # ping-pong's (the same protocol)
+        offset = float(np.median([s - t for b, s, t in zip(sizes, exchanges, times)
+                                  if b <= 64] or [exchanges[0] - times[0]]))
+        shifted = [max(0.0, s - offset) if b <= NATIVE_LINK_BYTES else t
                    for b, s, t in zip(sizes, exchanges, times)]
         line = fit_alpha_beta([b for b, _ in fitted], shifted[:len(fitted)])
         machine = replace(machine, native_link=Link(line.alpha, line.beta,
