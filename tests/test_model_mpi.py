@@ -46,7 +46,10 @@ def test_calibrate_measures_every_term_on_every_rank():
     # MPI's blocking exchange for native's messages, at the ping-pong's sizes
     assert [b for b, _ in machine.native_link.curve] == list(sizes)
     assert all(t >= 0 for _, t in machine.native_link.curve)
-    assert machine.native_link.curve[0][1] == link.curve[0][1]
+    measured = machine.info["measurements"]
+    offsets = {round(e - t, 15) for (b, t), e in zip(machine.native_link.curve,
+                                                      measured["sendrecv_s"]) if t > 0}
+    assert len(offsets) == 1, offsets  # every size less one call cost (all <= 64 KiB here)
     # the library's own runs, every algorithm, size and mode, that the per-call terms fit
     runs = machine.info["measurements"]["library_runs"]
     assert sorted((r["algorithm"], r["size"], r["in_place"]) for r in runs) == sorted(
