@@ -97,14 +97,14 @@ def free_comm(comm: MPI.Intracomm) -> None:
 
 @pytest.fixture
 def short_close(monkeypatch):
-    """Healthy ranks give up on a broken peer's close after 1 s, not 10 (shm.CLOSE_SECONDS).
+    """Healthy ranks give up on a broken peer's close after 0.5 s, not 10 (shm.CLOSE_SECONDS).
 
     Name it before ``comm`` in a test's arguments: fixtures tear down in reverse order, so the
     communicator is freed (and its close waited for) while the short wait is still in force.
     """
     from mpiallreduce import shm
 
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)
 
 
 @pytest.fixture(params=COMM_KINDS)

@@ -641,7 +641,7 @@ def test_a_repeated_call_whose_peer_never_comes_times_out(monkeypatch, entry_poi
     they abandoned (where they waited in one; on one node they wait on shared memory), so the
     world is clean afterwards."""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, per_node)  # read when comm's topology is discovered
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)  # the skipper's close of the node, after
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)  # the skipper's close of the node, after
     call = KEPT[entry_point]
     world = MPI.COMM_WORLD
     comm = world.Dup()

@@ -300,7 +300,7 @@ def test_shm_phase_ranks_that_run_different_calls_raise_in_their_node():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", TWO_LEVEL)
 def test_shm_phase_a_missing_rank_times_out_on_every_other(name, monkeypatch):
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)  # the timed-out ranks never free the nodes
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)  # the timed-out ranks never free the nodes
     world = MPI.COMM_WORLD
     comm = world.Dup()
     x = contribution(comm, 100, "float64")

@@ -282,7 +282,7 @@ def test_chunked_large_regime_reads_a_shared_input_in_place(comm, small_chunks):
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_stalled_between_chunks_times_out_on_every_other(monkeypatch, small_chunks):
     """A rank that stops in the middle of a chunked call: the others name it and the step."""
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)
     world = MPI.COMM_WORLD
     comm = world.Dup()
     count = _chunk_counts(comm, 8)[-1]
@@ -495,8 +495,8 @@ def test_different_counts_raise_on_every_rank_without_the_check():
 @pytest.mark.mpi(min_size=2)
 def test_a_missing_rank_times_out_on_every_other_and_the_communicator_is_refused(monkeypatch):
     # the timed-out ranks never free the node's windows: the healthy rank's close gives up
-    # after CLOSE_SECONDS (1 s here, not 10: this test runs at every rank count)
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    # after CLOSE_SECONDS (0.5 s here, not 10: this test runs at every rank count)
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)
     world = MPI.COMM_WORLD
     comm = world.Dup()
     x = contribution(comm, 100, "float64")
@@ -779,7 +779,7 @@ def test_a_plan_and_a_checked_call_in_different_orders_raise_on_every_rank(dup):
 @pytest.mark.mpi(min_size=2)
 def test_a_missing_rank_times_out_a_checked_cached_call(monkeypatch):
     """The run is the check: a checked call's timeout names the missing rank as a run does."""
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)
     world = MPI.COMM_WORLD
     comm = world.Dup()
     x = contribution(comm, 100, "float64")

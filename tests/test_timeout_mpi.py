@@ -203,7 +203,7 @@ def _assert_refused_later(comm):
 @pytest.mark.parametrize("algorithm", SCHEDULES)
 def test_a_skipped_call_times_out_inside_the_schedule(algorithm, monkeypatch):
     # shm: the healthy rank's close of the node gives up after 1 s instead of 10
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)
     comm = _throwaway_comm(algorithm)
     x = contribution(comm, COUNT, "float64")
     with mar.plan(x, comm=comm, algorithm=algorithm) as p:  # the transport the call takes
@@ -268,8 +268,8 @@ def test_a_skipped_call_names_the_peers_that_have_not_posted_their_receive(algor
                                                                           monkeypatch):
     """Messages too large to send eagerly: a send waits for its receive, so a rank whose step
     only sends to a rank that never came names it too, as not having posted the receive."""
-    # hierarchical, cascade: the healthy ranks' close of the node gives up after 1 s, not 10
-    monkeypatch.setattr(shm, "CLOSE_SECONDS", 1.0)
+    # hierarchical, cascade: the healthy ranks' close of the node gives up after 0.5 s, not 10
+    monkeypatch.setattr(shm, "CLOSE_SECONDS", 0.5)
     comm = _throwaway_comm(algorithm)
     x = contribution(comm, LARGE, "float64")
     messages = _skip_or_time_out(
