@@ -86,20 +86,16 @@ def _sendrecv(comm, nbytes: int) -> float:
     once as MPI's collectives exchange (best of rounds, the slower of the two; others idle).
     Many rounds of many calls up to 64 KiB: the best of 7 rounds of 100 calls scattered
     0.5-2.7 us at 1 B-2 KiB in one job, where 25 rounds of 2000 held 1.3-1.8 us."""
-    from mpi4py import MPI
-
     rank = comm.Get_rank()
-    iterations = int(min(2000, max(5, (32 << 20) // max(nbytes, 1))))
     send, recv = np.ones(max(nbytes, 1), np.uint8), np.empty(max(nbytes, 1), np.uint8)
-    best = float("inf")
-    for _ in range(SHORT_REPEATS if nbytes <= 64 << 10 else REPEATS):
-        comm.Barrier()
-        start = MPI.Wtime()
-        if rank < 2:
-            for _ in range(iterations):
-                comm.Sendrecv(send[:nbytes], 1 - rank, 7, recv[:nbytes], 1 - rank, 7)
-        best = min(best, (MPI.Wtime() - start) / iterations)
-    return comm.allreduce(best if rank < 2 else 0.0, op=MPI.MAX)
+    run = (partial(comm.Sendrecv, send[:nbytes], 1 - rank, 7, recv[:nbytes], 1 - rank, 7)
+           if rank < 2 else _idle)
+    return _seconds_per_run(comm, run, int(min(2000, max(5, (32 << 20) // max(nbytes, 1)))),
+                            SHORT_REPEATS if nbytes <= 64 << 10 else REPEATS)
+
+
+def _idle() -> None:
+    """What a rank beyond the two that measure runs: nothing."""
 
 
 def _best(call, repeats: int) -> float:
@@ -186,13 +182,13 @@ def _plan_cost(comm, steps, count: int, iterations: int) -> float:
         private.Free()
 
 
-def _seconds_per_run(comm, run, iterations: int) -> float:
-    """Seconds per call of ``run`` (the slowest rank's best of :data:`SHORT_REPEATS` rounds of
+def _seconds_per_run(comm, run, iterations: int, repeats: int = SHORT_REPEATS) -> float:
+    """Seconds per call of ``run`` (the slowest rank's best of ``repeats`` rounds of
     ``iterations`` calls, each round after a barrier)."""
     from mpi4py import MPI
 
     elapsed = float("inf")
-    for _ in range(SHORT_REPEATS):
+    for _ in range(repeats):
         comm.Barrier()
         start = MPI.Wtime()
         for _ in range(iterations):

@@ -138,6 +138,19 @@ def worker(opts) -> int:
     return status
 
 
+def save_measured(path: str, measured: dict) -> None:
+    """Write this run's rows, ``{(case label, mode): rows}``, for a later ``--measured``: one
+    file per mode, ``PATH-out.json`` and ``PATH-in.json`` where there are both."""
+    by_mode: dict[str, dict] = {}
+    for (case, mode), rows in measured.items():
+        by_mode.setdefault(mode, {})[case] = rows
+    for mode, cases in by_mode.items():
+        target = pathlib.Path(path)
+        if len(by_mode) > 1:
+            target = target.with_name(f"{target.stem}-{mode}{target.suffix}")
+        target.write_text(json.dumps({"cases": cases, "in_place": mode == "in"}) + "\n")
+
+
 #: a repeated row is steady when every round lies within this band of the rows' median
 STEADY = 0.25
 
@@ -532,13 +545,6 @@ def main(argv=None, out=None) -> int:
         machine = fitted(machine, reference)
     if in_job_rows is not None:
         measured = in_job_rows
-        if opts.save_measured:
-            for (case, mode), rows in measured.items():
-                path = pathlib.Path(opts.save_measured)
-                if len(measured) > 1:
-                    path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
-                path.write_text(json.dumps({"cases": {case: rows}, "in_place": mode == "in"})
-                                + "\n")
     elif opts.measured:
         try:
             measured = load_measured(opts.measured)
@@ -552,18 +558,13 @@ def main(argv=None, out=None) -> int:
         if not cases or set(modes) - {"out", "in"}:
             parser.error(f"--ranks takes {', '.join(label(n, k) for n, k in CASES)}; --modes "
                          f"out and in")
-        measured, saved = {}, {}
+        measured = {}
         for mode in modes:
             for n, k in cases:
-                rows = bench(n, k, opts.sizes, opts.iterations, mode == "in", opts.repeat)
-                measured[(label(n, k), mode)] = rows
-                saved.setdefault(mode, {})[label(n, k)] = rows
-        if opts.save_measured:
-            for mode, rows in saved.items():
-                path = pathlib.Path(opts.save_measured)
-                if len(saved) > 1:
-                    path = path.with_name(f"{path.stem}-{mode}{path.suffix}")
-                path.write_text(json.dumps({"cases": rows, "in_place": mode == "in"}) + "\n")
+                measured[(label(n, k), mode)] = bench(n, k, opts.sizes, opts.iterations,
+                                                      mode == "in", opts.repeat)
+    if opts.save_measured and not opts.measured:
+        save_measured(opts.save_measured, measured)
     records = compare(keep_sizes(measured, largest), machine, opts.cores, opts.intra)
     info = machine.info
     print(f"# machine: {opts.calibrate or opts.machine or 'built-in'}"

@@ -208,8 +208,8 @@ class Machine:
             allreduce pays it where its whole-message temporary is mapped afresh each call
             (``native.OMPI_FRESH_BYTES``); 0: not modelled.
         native_link: the link MPI's own collectives see within a node, or None (``intra``):
-            ``calibrate``'s blocking ``Sendrecv`` exchange by size, shifted to the ping-pong's
-            time at its smallest size (mpi4py's per-call cost is ``native_call``'s). MPI's C
+            ``calibrate``'s blocking ``Sendrecv`` exchange by size less its median excess over
+            the ping-pong up to 64 B (mpi4py's per-call cost is ``native_call``'s). MPI's C
             code sends with blocking calls whose cost steps where the persistent requests of
             the schedules' ping-pong do not (Open MPI 5, 2 ranks: +0.25 us from 384 B, 4.6 us
             against 3.2 at 4 KiB).
