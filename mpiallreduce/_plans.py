@@ -415,8 +415,8 @@ class Shape(_Known):
         # runs this shape with no staging copies (``_compiled.run_shape``); else None
         self.small = None
         # the arrays of the compiled form's last call through ``small``, held (at most
-        # COMPILED_REDUCE_BYTES each): the same arrays again are bound to a cache entry, as
-        # :meth:`repeats` says in the Python form
+        # STAGE_BYTES each: a shape's call is no larger): the same arrays again are bound to a
+        # cache entry, as :meth:`repeats` says in the Python form
         self.held = None
         self.staged_call = None
         self.live = True  # until the cache drops it (mar.Comm keeps shapes it found)

@@ -26,10 +26,12 @@ CHUNK_BYTES = 512 << 10
 MAX_CHUNKS = 1024
 #: alignment of slot regions (a cache line).
 ALIGN = 64
-#: most bytes per rank whose small-regime load and reduce the compiled call path runs in C (an
-#: element loop: at 64 KiB it measured slower than the ufuncs); above, each run calls NumPy's
-#: ufunc (the model charges a combine's per-call cost there, not below).
-COMPILED_REDUCE_BYTES = 1024
+#: the element types whose small-regime load and reduce (SUM, PROD, AVG) the compiled call path
+#: runs in C, at every size of the small regime: one vectorised pass per rank, as NumPy's ufunc
+#: calls make, without their per-call cost (until 2026-12-04 only up to 1 KiB: its loop then
+#: went element by element, all ranks at a time, and measured slower than the ufuncs past it).
+#: Other types and ops call NumPy's ufuncs in each run (the model charges ``shm_call`` there).
+COMPILED_REDUCE_DTYPES = ("float32", "float64")
 
 
 def small_bytes(nranks: int, shared: bool = False, small: int = SMALL_BYTES,

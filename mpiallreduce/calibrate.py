@@ -25,7 +25,7 @@ from functools import partial
 
 import numpy as np
 
-from .model.fit import machine_from
+from .model.fit import NUMPY_RUN_BYTES, NUMPY_RUN_DTYPE, machine_from
 from .model.machine import INTER, INTRA, NETWORK_100G, Link, Machine
 from .schedule import REDUCE
 from .sizes import human
@@ -272,16 +272,16 @@ def _library_runs(comm, iterations: int = 400) -> list[dict]:
     return rows
 
 
-def _shm_cost(comm, nbytes: int, iterations: int, algorithm: str = "shm", **params
-              ) -> float | None:
-    """Seconds per run of the shm transport's plan of ``nbytes`` float32 (slowest rank), or
-    None where it does not run (ranks on several nodes, no shared memory); ``algorithm``
+def _shm_cost(comm, nbytes: int, iterations: int, algorithm: str = "shm", dtype=np.float32,
+              **params) -> float | None:
+    """Seconds per run of the shm transport's plan of ``nbytes`` of ``dtype`` (slowest rank),
+    or None where it does not run (ranks on several nodes, no shared memory); ``algorithm``
     hierarchical with ``intra="shm"``: its node-phased plan."""
     from mpi4py import MPI
 
     from .api import plan
 
-    x = np.ones(max(nbytes // 4, 1), np.float32)
+    x = np.ones(max(nbytes // np.dtype(dtype).itemsize, 1), dtype)
     y = np.empty_like(x)
     try:
         bound = plan(x, y, MPI.SUM, comm, algorithm, **params)
@@ -405,7 +405,6 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     """
     from mpi4py import MPI
 
-    from ._shm_sizes import COMPILED_REDUCE_BYTES
     from .shm import small_bytes
 
     if comm.Get_size() < 2:
@@ -437,7 +436,10 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     across = split.node[0] != split.node[1]
     limit = small_bytes(comm.Get_size())  # the small regime's most bytes at this size
     shm = {} if across else {size: _shm_cost(comm, size, 100)
-                             for size in (8, 2 * COMPILED_REDUCE_BYTES, limit // 2, 2 * limit)}
+                             for size in (8, limit // 2, 2 * limit)}
+    # where the small regime's load and reduce call NumPy (types the compiled path leaves to it)
+    numpy_run = {} if across else {NUMPY_RUN_BYTES: _shm_cost(comm, NUMPY_RUN_BYTES, 100,
+                                                              dtype=NUMPY_RUN_DTYPE)}
     phased = {} if across else {size: _shm_cost(comm, size, 100, "hierarchical", intra="shm")
                                 for size in (8, 2 * limit)}
     node_curve = None
@@ -459,6 +461,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
         "copy_curve": [list(p) for p in copy_curve], "fault": fault, "plan_run_s": shapes,
         "allreduce_s": allreduce, "library_runs": library, "node": list(split.node), "cores": cores,
         "shm_small_limit": limit, "shm_run_s": {str(k): v for k, v in shm.items()},
+        "shm_numpy_run_s": {str(k): v for k, v in numpy_run.items()},
         "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},
         "node_curve": None if node_curve is None else [list(p) for p in node_curve],
         "node_bandwidth": bandwidth, "info": info}
@@ -545,7 +548,7 @@ def _report(machine: Machine, path: str, out) -> None:
         print("(step, request, combine, call and native_call fitted to the library's own "
               "runs at " + ", ".join(human(size) for size in LIBRARY_SIZES) + ")", file=out)
     above = ("" if machine.shm_call is None
-             else f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)")
+             else f" (+{machine.shm_call * 1e6:.2f} us where it calls NumPy's reduce)")
     print(f"shm: small {machine.shm_small * 1e6:.2f} us{above}, large "
           f"{machine.shm_large * 1e6:.2f} us per call, {machine.shm_peer:.3g} s/B from the "
           f"peers' slots; first writes to fresh pages {machine.fault * 1e9:.3f} ns/B; node "

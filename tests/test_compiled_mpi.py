@@ -129,6 +129,74 @@ def test_a_repeated_small_shm_call_runs_compiled_where_built():
     assert out[0] == comm.size
 
 
+@pytest.mark.parametrize("op_name, dtype", [("SUM", "float64"), ("AVG", "float64"),
+                                             ("PROD", "float32")])
+def test_the_compiled_small_regime_reduces_in_c_at_every_size_of_it(op_name, dtype):
+    """Where built, the small regime's run of float32 and float64 loads and reduces in C
+    (``SmallRun.takes_pointers``) at every size of the regime, its largest too; until
+    2026-12-04 only up to 1 KiB (its loop then went element by element), and past it each run
+    called NumPy's ufuncs: 2.3x slower at 2 KiB. Every size gives the rank-order reference's
+    bits on every rank."""
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("one rank runs no shm epoch")  # (uniform across ranks)
+    from mpiallreduce.shm import small_bytes
+
+    op = mar.AVG if op_name == "AVG" else getattr(MPI, op_name)
+    itemsize = np.dtype(dtype).itemsize
+    verdicts = []
+    for nbytes in (8, 2048, small_bytes(comm.size)):
+        x = _inputs(comm, nbytes // itemsize, dtype, True)
+        if op_name == "PROD":  # products of many values stay finite and not 0
+            x = (1.0 + x / (np.abs(x).max() * comm.size * 8)).astype(dtype)
+        expected = _reference(comm, x, op_name)
+        out = np.empty_like(x)
+        plan = mar.plan(x, out, op, comm, "shm")
+        try:
+            plan.run()
+            plan.run()
+            in_c = bool(getattr(plan.direct, "takes_pointers", False))
+        finally:
+            plan.free()
+        verdicts.append((nbytes, _same_bits(out, expected), in_c))
+    everyone = comm.allgather(verdicts)
+    assert all(same for mine in everyone for _, same, _ in mine), everyone
+    assert all(in_c == (_form.compiled is not None) for mine in everyone
+               for _, _, in_c in mine), everyone
+
+
+def test_the_compiled_load_gives_the_bits_at_every_distance_from_its_slot():
+    """The compiled small regime copies the input into its slot itself (memcpy, in pieces where
+    the slot lies 1-63 bytes past the input modulo 4096, the band where glibc's ``rep movsb``
+    crawls: ``shm.plan.trapped``). Inputs at page offsets across and around that band, fresh
+    arrays and a plan's own, 32 KiB (past ``LOOP_COPY_BYTES``) and an odd size: every result
+    has the reference's bits on every rank."""
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("one rank runs no shm epoch")  # (uniform across ranks)
+    from mpiallreduce.shm import small_bytes
+
+    backing = np.empty(3 << 13)  # 3 pages of float64, and more
+    start = (-backing.ctypes.data % 4096) // 8  # the first element on a page
+    verdicts = []
+    for count in (min(4096, small_bytes(comm.size) // 8), 1531):
+        for offset in (0, 1, 2, 3, 7, 8, 256, 504, 505, 511):  # elements past a page
+            x = backing[start + offset:start + offset + count]
+            x[...] = _inputs(comm, count, "float64", False)
+            expected = _reference(comm, x, "SUM")
+            out = np.empty_like(x)
+            plan = mar.plan(x, out, MPI.SUM, comm, "shm")
+            try:
+                plan.run()
+            finally:
+                plan.free()
+            fresh = [mar.allreduce(x, comm=comm, algorithm="shm") for _ in range(3)]
+            verdicts.append(_same_bits(out, expected)
+                            and all(_same_bits(f, expected) for f in fresh))
+    everyone = comm.allgather(all(verdicts))
+    assert all(everyone), f"ranks whose bits differ: {[r for r, ok in enumerate(everyone) if not ok]}"
+
+
 def _shape_of(comm, x: np.ndarray, in_place: bool, algorithm: str):
     """The shape ``_state.SHAPES`` holds for ``mar.allreduce`` calls like this one."""
     from mpiallreduce import _plans, _state

@@ -590,23 +590,25 @@ def test_gamma_and_copy_follow_their_curves_and_in_place_copies_back():
 
 
 def test_shm_regimes_and_the_node_bandwidth():
-    from mpiallreduce.model.shm_layout import COMPILED_REDUCE_BYTES
     from mpiallreduce.shm import SMALL_BYTES, chunk_bytes
 
     machine = replace_(PLAIN, copy=1e-10, combine=4e-7, shm_small=1e-6, shm_large=5e-6)
     p, small = 4, 2048
-    assert predict("shm", p, small, machine=machine).time == pytest.approx(
-        1e-6 + small * 1e-10 + (p - 1) * (small * GAMMA + 4e-7), rel=1e-12)
-    # up to COMPILED_REDUCE_BYTES the compiled call path reduces in C: no combine calls
-    tiny = COMPILED_REDUCE_BYTES
-    assert predict("shm", p, tiny, machine=machine).time == pytest.approx(
-        1e-6 + tiny * 1e-10 + (p - 1) * tiny * GAMMA, rel=1e-12)
-    # above, a measured shm_call takes the combine calls' place (once per run)
+    # the compiled call path reduces float32 and float64 in C at every size of the small
+    # regime: no combine calls
+    for size in (8, small, SMALL_BYTES):
+        assert predict("shm", p, size, machine=machine).time == pytest.approx(
+            1e-6 + size * 1e-10 + (p - 1) * size * GAMMA, rel=1e-12)
+    # other types call NumPy's ufuncs: a combine's call per combine, or a measured shm_call
+    # in their place (once per run)
+    gamma32 = float(machine.gamma_at("int32", small))
+    assert predict("shm", p, small, machine=machine, dtype="int32").time == pytest.approx(
+        1e-6 + small * 1e-10 + (p - 1) * (small * gamma32 + 4e-7), rel=1e-12)
     called = replace_(machine, shm_call=3e-7)
-    assert predict("shm", p, small, machine=called).time == pytest.approx(
-        1e-6 + 3e-7 + small * 1e-10 + (p - 1) * small * GAMMA, rel=1e-12)
-    assert predict("shm", p, tiny, machine=called).time == predict(
-        "shm", p, tiny, machine=machine).time
+    assert predict("shm", p, small, machine=called, dtype="int32").time == pytest.approx(
+        1e-6 + 3e-7 + small * 1e-10 + (p - 1) * small * gamma32, rel=1e-12)
+    assert predict("shm", p, small, machine=called).time == predict(
+        "shm", p, small, machine=machine).time
     large = 1 << 20
     part = large // p
     chunks = large // chunk_bytes(large)  # the large regime's fixed cost is per chunk
@@ -904,16 +906,17 @@ def test_a_machine_refits_from_its_measurements_without_mpi():
         "plan_run_s": {"chain": 6e-6, "exchange": 7e-6, "reducing": 9e-6,
                        "reducing 1 step": 12e-6},
         "allreduce_s": 3e-6, "node": [0, 0], "cores": 2, "shm_small_limit": 128 << 10,
-        "shm_run_s": {"8": 2e-6, "2048": 4e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
+        "shm_run_s": {"8": 2e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
+        "shm_numpy_run_s": {"2048": 4e-6},
         "hierarchical_shm_run_s": {"8": 3e-6, str(256 << 10): 9e-5},
         "node_curve": [[4096, 2e10], [1 << 20, 1e10]], "node_bandwidth": 1e10,
         "info": {"host": "h"}}
     machine = machine_from(measured)
-    # shm's fixed costs reproduce its runs at 8 B and just past the compiled reduce's bytes
+    # shm's fixed costs reproduce its runs at 8 B and where it calls NumPy (int32 at 2 KiB)
     split = Topology.from_levels([0, 0])
-    for size in (8, 2048):
-        assert predict("shm", 2, size, split, machine).time == pytest.approx(
-            measured["shm_run_s"][str(size)], rel=1e-9)
+    assert predict("shm", 2, 8, split, machine).time == pytest.approx(2e-6, rel=1e-9)
+    assert predict("shm", 2, 2048, split, machine, dtype="int32").time == pytest.approx(
+        4e-6, rel=1e-9)
     assert machine.shm_call > 0
     assert machine.intra.curve[0] == (1, 2e-6) and machine.cores == 2
     assert machine.request == pytest.approx(1e-6) and machine.combine >= 0
@@ -1018,7 +1021,8 @@ def test_the_node_terms_are_what_the_runs_leave_over_the_fitted_call_path():
     from mpiallreduce.model import machine_from
 
     node = {"shm_small_limit": 128 << 10,
-            "shm_run_s": {"8": 2e-6, "2048": 4e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
+            "shm_run_s": {"8": 2e-6, str(64 << 10): 2e-5, str(256 << 10): 8e-5},
+            "shm_numpy_run_s": {"2048": 4e-6},
             "hierarchical_shm_run_s": {"8": 6e-6, str(256 << 10): 9e-5}}
     # the library's runs at a quarter of what the shapes predict: the fit lowers the terms
     shapes_only = machine_from(_quick_measurements(**node))
@@ -1030,9 +1034,9 @@ def test_the_node_terms_are_what_the_runs_leave_over_the_fitted_call_path():
     split = Topology.from_levels([0, 0])
     assert predict("hierarchical", 2, 8, split, fitted, intra="shm").time == pytest.approx(
         6e-6, rel=1e-9)
-    for size in (8, 2048):
-        assert predict("shm", 2, size, split, fitted).time == pytest.approx(
-            node["shm_run_s"][str(size)], rel=1e-9)
+    assert predict("shm", 2, 8, split, fitted).time == pytest.approx(2e-6, rel=1e-9)
+    assert predict("shm", 2, 2048, split, fitted, dtype="int32").time == pytest.approx(
+        4e-6, rel=1e-9)
 
 
 # -- predict's fast paths give the slow derivation's numbers (issue 38, item 4) -----------------

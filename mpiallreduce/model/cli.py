@@ -232,7 +232,7 @@ def _run_predict(opts, out) -> int:
           + (" (shared memory where a node holds two ranks or more, as the library runs them)"
              if opts.intra == "auto" else "")
           + f"; shm per call small {machine.shm_small * 1e6:.2f} us"
-          + (f" (+{machine.shm_call * 1e6:.2f} us past the compiled reduce's bytes)"
+          + (f" (+{machine.shm_call * 1e6:.2f} us where it calls NumPy's reduce)"
              if machine.shm_call is not None else "")
           + f", large {machine.shm_large * 1e6:.2f} us, peer reads {machine.shm_peer:.3g} s/B, "
             f"node bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s", file=out)

@@ -12,7 +12,6 @@ import numpy as np
 from ..topology import Topology
 from .machine import DEFAULT_MACHINE, NETWORK_100G, Link, Machine
 from .prediction import predict
-from .shm_layout import COMPILED_REDUCE_BYTES
 
 
 def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
@@ -41,6 +40,10 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
 #: bandwidth, and the exchange's few rounds of large messages scatter (60 us at 128 KiB, 35 at
 #: 256 KiB in one job), so native's large messages keep the ping-pong's curve.
 NATIVE_LINK_BYTES = 64 << 10
+
+
+#: the size at which calibrate times shm's small regime where it calls NumPy (``shm_call``)
+NUMPY_RUN_BYTES, NUMPY_RUN_DTYPE = 2048, "int32"
 
 
 def machine_from(measured: dict, inter: Link | None = None) -> Machine:
@@ -80,6 +83,9 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
     intra = DEFAULT_MACHINE.intra if across else link
     inter = link if across else (NETWORK_100G if inter is None else inter)
     shm = {int(k): v for k, v in measured.get("shm_run_s", {}).items()}
+    # the small regime's run where it calls NumPy (int32 at 2 KiB; before 2026-12-04 float32
+    # at 2 KiB called it, and such a calibration's shm_call is left None)
+    numpy_run = measured.get("shm_numpy_run_s", {}).get(str(NUMPY_RUN_BYTES))
     phased = {int(k): v for k, v in measured.get("hierarchical_shm_run_s", {}).items()}
     node_curve = measured.get("node_curve")
     info = {**measured.get("info", {}),
@@ -131,13 +137,13 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
         half, large_size = limit // 2, 2 * limit
         small = max(0.0, shm[8] - predict("shm", nranks, 8, split, machine).time)
         machine = replace(machine, shm_small=small)
-        above = 2 * COMPILED_REDUCE_BYTES  # the NumPy calls of the small regime's runs above
 
         def with_call(machine: Machine) -> Machine:
-            if shm.get(above) is None:  # a calibration from before shm_call: none
+            if numpy_run is None:  # a calibration from before shm_call: none
                 return machine
             machine = replace(machine, shm_call=0.0)
-            call = shm[above] - predict("shm", nranks, above, split, machine).time
+            call = numpy_run - predict("shm", nranks, NUMPY_RUN_BYTES, split, machine,
+                                       NUMPY_RUN_DTYPE).time
             return replace(machine, shm_call=max(0.0, call))
 
         # the call, the peers' rate with it, then the call again with that rate

@@ -213,9 +213,9 @@ class Machine:
             code sends with blocking calls whose cost steps where the persistent requests of
             the schedules' ping-pong do not (Open MPI 5, 2 ranks: +0.25 us from 384 B, 4.6 us
             against 3.2 at 4 KiB).
-        shm_call: seconds per call of shm's small regime above ``COMPILED_REDUCE_BYTES``
-            beyond ``shm_small`` (the calls into NumPy of its load and reduce, which the
-            compiled call path makes in C below), or None: a ``combine`` per combine.
+        shm_call: seconds per call of shm's small regime beyond ``shm_small`` where its load
+            and reduce call NumPy (element types other than ``COMPILED_REDUCE_DTYPES``, which
+            the compiled call path reduces in C), or None: a ``combine`` per combine.
         shm_peer: seconds per byte a rank of the shm transport reads from slots its peers have
             just written (the lines come from the peer's cache), beyond the combine's γ (the
             small regime's: the large regime's chunks are priced without it).
@@ -433,8 +433,8 @@ DEFAULT_MACHINE = Machine(
     # idle calibration measured it (scripts/machine-idle-20261201.json: every rank copying
     # 64 MiB at once)
     # (2.5 us since 2026-12-04: the 1.6 fitted then plus the 0.9 us combine call the model
-    # charged then and no longer charges up to COMPILED_REDUCE_BYTES, where the compiled call
-    # path reduces in C: the same 8-byte prediction)
+    # charged then and no longer charges where the compiled call path reduces in C: the same
+    # 8-byte prediction)
     shm_small=2.5e-6,
     shm_large=3.2e-6,
     shm_peer=2.0e-10,

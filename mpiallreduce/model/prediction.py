@@ -23,7 +23,7 @@ from .programs import (
     _rotated_ring,
     _table,
 )
-from .shm_layout import COMPILED_REDUCE_BYTES, SMALL_BYTES, chunk_bytes, small_bytes
+from .shm_layout import COMPILED_REDUCE_DTYPES, SMALL_BYTES, chunk_bytes, small_bytes
 from .simulate import (
     Prediction,
     _Costs,
@@ -251,12 +251,12 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
         time_ = node.copy(size) if not in_place else 0.0
         steps = 0
     elif size <= small_bytes(p):
-        # up to COMPILED_REDUCE_BYTES the compiled call path reduces in C, no combine calls:
-        # its cost per call is shm_small's (measured at 8 B); above, its load and reduce call
-        # NumPy: shm_call where measured, else a combine's per-call cost per combine
-        above = size > COMPILED_REDUCE_BYTES
-        calls = above and machine.shm_call is None
-        time_ = (machine.shm_small + (machine.shm_call if above and not calls else 0.0)
+        # the compiled call path reduces float32 and float64 in C, no combine calls: its cost
+        # per call is shm_small's (measured at 8 B); other types' load and reduce call NumPy:
+        # shm_call where measured, else a combine's per-call cost per combine
+        numpy_calls = np.dtype(dtype).name not in COMPILED_REDUCE_DTYPES
+        calls = numpy_calls and machine.shm_call is None
+        time_ = (machine.shm_small + (machine.shm_call if numpy_calls and not calls else 0.0)
                  + node.phase(p, node.copy(size), 2 * size)
                  + node.phase(p, node.reduce(p, size, calls), (2 * p - 1) * size))
         steps = 1

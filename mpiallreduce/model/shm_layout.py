@@ -11,7 +11,7 @@ from __future__ import annotations
 from .._shm_sizes import (  # noqa: F401 - the model's names for them
     ALIGN,
     CHUNK_BYTES,
-    COMPILED_REDUCE_BYTES,
+    COMPILED_REDUCE_DTYPES,
     MAX_CHUNKS,
     SMALL_BYTES,
     SMALL_BYTES_TWO_RANKS,

@@ -11,7 +11,6 @@ from functools import partial
 import numpy as np
 
 from .. import _form
-from .._shm_sizes import COMPILED_REDUCE_BYTES
 from .node import Node
 from .plan import ShmPlan, _single, copy_call
 from .protocol import Stalled
@@ -44,10 +43,7 @@ class SmallPlan(ShmPlan):
         # and reduce of a plan bound under the stall hook (protocol.STALLS: they hold its
         # stalls, around the compiled publish and wait)
         stalled = isinstance(self._phase, Stalled)
-        # and so does NumPy's vectorised reduce past a few elements (the compiled loop is
-        # element by element: at 64 KiB it measured slower than the ufuncs)
-        few = self._result.nbytes <= COMPILED_REDUCE_BYTES
-        name = None if self._exact or stalled or not few else self.reducer.name
+        name = None if self._exact or stalled else self.reducer.name
         return tuple(_form.compiled.SmallRun(
             node, source, self._result, slots, self._signed, self._peer_digests, self._programs,
             self._arrive, self._mismatch, self._label, name, self._average, timed)
