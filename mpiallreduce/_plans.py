@@ -347,8 +347,7 @@ class CallEntry(BoundCall):
         super().__init__(call, state, objects)
         self.plan = plan
         self.run = plan.run
-        send_bytes = 0 if call.send is None else call.send.nbytes
-        self.nbytes = call.recv.nbytes + send_bytes + plan.nbytes
+        self.nbytes = arrays_bytes(call) + plan.nbytes
         self.fused = fused(plan)
         if self.fused:
             # with a timeout (checked by the caller) the small regime's timed closure
@@ -551,12 +550,18 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
     whose result the caller left to mpiallreduce (``allocated``), which is never cached itself.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    if cache:
+    if cache and state.calls.fits(arrays_bytes(call)):
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
         _remember_shape(state, call, objects, plan)
-        if state.calls.put(key, CallEntry(call, plan, state, objects)):
-            return plan.run(timeout)
-        plan.free()
+        if not state.calls.put(key, CallEntry(call, plan, state, objects)):
+            # (its scratch tipped it over the cache's bytes: run it once all the same; a
+            # second plan built here doubled an uncached call's cost: 64 MiB by shm took 2x
+            # its plan's run, 2026-12-04)
+            try:
+                return plan.run(timeout)
+            finally:
+                plan.free()
+        return plan.run(timeout)
     plan = build(call, state, explicit=False, persistent=False, timeout=None, deadline=deadline,
                  borrow_scratch=True)
     if allocated:
@@ -565,6 +570,11 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
         return plan.run(timeout)
     finally:
         plan.free()
+
+
+def arrays_bytes(call: Call) -> int:
+    """The bytes of a call's arrays, which a cache entry keeps alive (:class:`CallEntry`)."""
+    return call.recv.nbytes + (0 if call.send is None else call.send.nbytes)
 
 
 def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:

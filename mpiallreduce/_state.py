@@ -98,6 +98,10 @@ class CallCache:
             del SHAPES[key]
         shape.free()
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of at least ``nbytes`` could be kept (:meth:`put` says for sure)."""
+        return self.max_entries > 0 and nbytes <= self.max_bytes
+
     def put(self, key, entry) -> bool:
         """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""
         if entry.nbytes > self.max_bytes or self.max_entries == 0:

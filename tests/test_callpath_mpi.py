@@ -124,6 +124,33 @@ def test_the_cache_is_bounded_by_entries_and_bytes(comm, monkeypatch):
                for entry in state.calls.entries.values())
 
 
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "native"])
+@pytest.mark.parametrize("scratch_tips_it", [False, True], ids=["arrays", "scratch"])
+def test_a_call_too_big_for_the_cache_builds_one_plan(comm, monkeypatch, algorithm,
+                                                      scratch_tips_it):
+    """A one-shot call the cache cannot keep builds its plan once, runs it, frees it: until
+    2026-12-04 it built a plan for the cache, found the entry too big, freed it and built a
+    second one (64 MiB by shm took 2x its plan's run). Too big by its arrays alone, the cache's
+    build is skipped; too big only with the plan's scratch, that plan runs."""
+    if algorithm == "shm" and comm.size == 1:
+        pytest.skip("shm on one rank: no node transport to build")  # (uniform across ranks)
+    state = _state.state(comm)
+    x = contribution(comm, 200, "float64")  # 3.2 kB of arrays
+    monkeypatch.setattr(state.calls, "max_bytes", 3200 if scratch_tips_it else 1000)
+    builds = []
+    real = _plans.build
+    monkeypatch.setattr(_plans, "build", lambda *a, **k: builds.append(k["persistent"])
+                        or real(*a, **k))
+    for _ in range(3):
+        out = mar.allreduce(x, np.empty_like(x), comm=comm, algorithm=algorithm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    if scratch_tips_it:  # the arrays fit: the cache's build, kept where the plan has no
+        # scratch (then the next calls find it), else run once per call
+        assert 1 <= len(builds) <= 3 and all(builds), builds
+    else:
+        assert builds == [False] * 3, builds
+
+
 def test_a_result_allocated_per_call_is_not_cached(comm):
     x = contribution(comm, 9, "float64")
     for _ in range(3):

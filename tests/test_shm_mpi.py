@@ -259,7 +259,7 @@ def test_large_regime_copies_avoid_memcpys_slow_band(comm, in_place):
         assert_matches_native(comm, x, out, MPI.SUM)
         if comm.size > 1:
             assert isinstance(plan, shm.ChunkedPlan)
-            calls = list(_bound_calls(plan._programs))
+            calls = list(_bound_calls((plan._chunks(0), plan._chunks(1))))
             slow = [call for call in calls if _memcpy_in_its_slow_band(call)]
             assert not slow, f"{len(slow)} bound memcpy calls in the slow band"
             if offset:  # a result 16 or 24 bytes past a page, slots on one: the byte loop
@@ -288,9 +288,9 @@ def test_a_rank_stalled_between_chunks_times_out_on_every_other(monkeypatch, sma
     count = _chunk_counts(comm, 8)[-1]
     x = contribution(comm, count, "float64")
     plan = mar.plan(x, comm=comm, algorithm="shm")
-    assert len(plan._programs[0]) > 2
+    assert len(plan._chunks(0)) > 2  # (each parity's chunks are bound at its first run)
     if comm.rank == 0:  # its second chunk stalls before reducing
-        stalled = list(plan._programs[1])
+        stalled = list(plan._chunks(1))
         _, reduce, pull = stalled[1]
         stalled[1] = (stalled[1][0], (lambda: time.sleep(0.8), *reduce), pull)
         plan._programs = (plan._programs[0], tuple(stalled))

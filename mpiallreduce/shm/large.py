@@ -26,13 +26,20 @@ class ChunkedPlan(ShmPlan):
 
     def _bind(self, source, input_block, input_at, recv_block, recv_at) -> None:
         self._trace("chunked", "chunk")
-        self._programs = tuple(self._bind_chunks(parity, source, input_block, input_at)
-                               for parity in (0, 1))
+        # each parity's chunk calls are bound at its first run (:meth:`_chunks`): a one-shot
+        # call runs one parity only, and binding took 7 ms a parity at 64 MiB (128 chunks)
+        self._programs = [None, None]
+        self._binding = (source, input_block, input_at)
         if self.traced:  # the run's ends and its waits are methods: stamped around them
             marks = self._phase
             self._run = marks.around(self._run)
             self._arrive = marks.before("wait", self._arrive, 0)
             self._chunk_wait = marks.before("wait", self._chunk_wait, argument=4)
+
+    def _chunks(self, parity: int) -> tuple:
+        """The parity's chunk calls (:meth:`_bind_chunks`), bound once."""
+        chunks = self._programs[parity] = self._bind_chunks(parity, *self._binding)
+        return chunks
 
     def _bind_chunks(self, parity: int, source: np.ndarray, input_block, input_at) -> tuple:
         """Calls of the large regime on a private result for one parity, chunk by chunk:
@@ -105,7 +112,7 @@ class ChunkedPlan(ShmPlan):
         ``c - 1``); the epoch's first chunk, as every call, takes the parity slot that every
         peer finished reading when it started the previous epoch."""
         parity = epoch & 1
-        chunks = self._programs[parity]
+        chunks = self._programs[parity] or self._chunks(parity)
         header, sync = node.header, node.sync
         base = epoch << STEP_SHIFT
         last = len(chunks) - 1
