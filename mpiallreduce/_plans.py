@@ -550,13 +550,23 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
     whose result the caller left to mpiallreduce (``allocated``), which is never cached itself.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    if cache and state.calls.fits(arrays_bytes(call)):
+    shape = None
+    if cache:
+        comm, sendbuf, recvbuf, op, topology = objects
+        shape = shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params)
+        try:
+            hash(shape)
+        except TypeError:  # a parameter value that cannot be hashed: no memory of it
+            shape = None
+    if cache and state.calls.fits(arrays_bytes(call), shape):
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
         _remember_shape(state, call, objects, plan)
         if not state.calls.put(key, CallEntry(call, plan, state, objects)):
-            # (its scratch tipped it over the cache's bytes: run it once all the same; a
-            # second plan built here doubled an uncached call's cost: 64 MiB by shm took 2x
-            # its plan's run, 2026-12-04)
+            # its scratch tipped it over the cache's bytes: run it this once, and let calls
+            # of this shape skip it (built per call, its scratch fresh each time, rabenseifner
+            # in place at 64 MiB took 138 ms a call against 12 out of place, 2026-12-04; a
+            # second plan built here as well doubled an uncached call's cost)
+            state.calls.refuse(shape)
             try:
                 return plan.run(timeout)
             finally:

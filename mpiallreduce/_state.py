@@ -76,6 +76,9 @@ class CallCache:
         self.lru = LRU(entries, nbytes, on_drop=self._drop)
         # keys of this communicator's SHAPES
         self.shapes = LRU(SHAPES_PER_COMM, on_drop=self._drop_shape)
+        # shapes (``_plans.shape_key``) whose entry was refused for its bytes, with the bound
+        # then: their calls skip the cache's plan (a persistent one, its scratch its own)
+        self.refused = LRU(SHAPES_PER_COMM)
 
     # the bounds and contents, as the tests and tracing read and set them
     entries = property(lambda self: self.lru.entries, doc="key -> entry, oldest first")
@@ -98,9 +101,18 @@ class CallCache:
             del SHAPES[key]
         shape.free()
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether an entry of at least ``nbytes`` could be kept (:meth:`put` says for sure)."""
-        return self.max_entries > 0 and nbytes <= self.max_bytes
+    def fits(self, nbytes: int, shape=None) -> bool:
+        """Whether an entry of at least ``nbytes`` could be kept (:meth:`put` says for sure),
+        and one of ``shape`` was not refused under the present bound (:meth:`refuse`)."""
+        if self.max_entries == 0 or nbytes > self.max_bytes:
+            return False
+        bound = self.refused.peek(shape) if shape is not None else None
+        return bound is None or self.max_bytes > bound
+
+    def refuse(self, shape) -> None:
+        """Remember that an entry of ``shape`` did not fit under the present bound."""
+        if shape is not None:
+            self.refused.put(shape, self.max_bytes)
 
     def put(self, key, entry) -> bool:
         """Keep ``entry`` (an object with ``nbytes`` and ``free()``); False if it is too big."""

@@ -131,7 +131,9 @@ def test_a_call_too_big_for_the_cache_builds_one_plan(comm, monkeypatch, algorit
     """A one-shot call the cache cannot keep builds its plan once, runs it, frees it: until
     2026-12-04 it built a plan for the cache, found the entry too big, freed it and built a
     second one (64 MiB by shm took 2x its plan's run). Too big by its arrays alone, the cache's
-    build is skipped; too big only with the plan's scratch, that plan runs."""
+    build is skipped; too big only with the plan's scratch, that plan runs once and the next
+    calls of the shape skip it (persistent, its scratch fresh per call: rabenseifner in place
+    at 64 MiB took 138 ms a call against 12 out of place)."""
     if algorithm == "shm" and comm.size == 1:
         pytest.skip("shm on one rank: no node transport to build")  # (uniform across ranks)
     state = _state.state(comm)
@@ -141,14 +143,20 @@ def test_a_call_too_big_for_the_cache_builds_one_plan(comm, monkeypatch, algorit
     real = _plans.build
     monkeypatch.setattr(_plans, "build", lambda *a, **k: builds.append(k["persistent"])
                         or real(*a, **k))
-    for _ in range(3):
-        out = mar.allreduce(x, np.empty_like(x), comm=comm, algorithm=algorithm)
-        assert_matches_native(comm, x, out, MPI.SUM)
-    if scratch_tips_it:  # the arrays fit: the cache's build, kept where the plan has no
-        # scratch (then the next calls find it), else run once per call
-        assert 1 <= len(builds) <= 3 and all(builds), builds
+    out = np.empty_like(x)
+    for _ in range(5):  # the same arrays: a repeated call
+        assert_matches_native(comm, x, mar.allreduce(x, out, comm=comm, algorithm=algorithm),
+                              MPI.SUM)
+    # at most one plan per call; of the cache's (persistent) builds, one: kept where the plan
+    # has no scratch (the next calls find it), else run once and skipped from then on (a
+    # schedule's call of up to 64 KiB is also remembered by its shape, whose staged plan is
+    # persistent too and kept)
+    if scratch_tips_it:
+        scratch = algorithm == "ring" and comm.size > 1  # (one rank: the ring has none)
+        assert builds == ([True, True, False, False, False] if scratch else [True]), \
+            builds
     else:
-        assert builds == [False] * 3, builds
+        assert builds == [False] * 5, builds
 
 
 def test_a_result_allocated_per_call_is_not_cached(comm):
