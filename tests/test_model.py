@@ -589,6 +589,28 @@ def test_gamma_and_copy_follow_their_curves_and_in_place_copies_back():
         assert inside - out == pytest.approx(extra, rel=1e-9, abs=1e-15), nbytes
 
 
+def test_the_compiled_small_regime_takes_the_rates_of_copies_without_a_call():
+    """calibrate times copies, combines and the node's bandwidth with NumPy calls, so their
+    rates at a few KiB carry the call (this VM: copies 5x slower per byte at 4 KiB than at
+    64 KiB). The compiled small regime (float32/float64) copies and reduces without a call per
+    copy: it takes those rates at IN_LOOP_BYTES or its own size, the larger (with the small
+    sizes' own, shm at 1-8 KiB came out 1.4-1.9x its measured time, 2026-12-04); types that
+    call NumPy keep their size's rates."""
+    from mpiallreduce.model.prediction import IN_LOOP_BYTES
+
+    slow_small = ((4096, 5e-10), (IN_LOOP_BYTES, 1e-10), (1 << 20, 1e-10))
+    machine = replace_(PLAIN, shm_small=1e-6, shm_call=2e-7, copy_curve=slow_small,
+                       gamma=(("float32", GAMMA), ("int32", GAMMA)),
+                       gamma_curve=((4096, 4e-10), (IN_LOOP_BYTES, GAMMA), (1 << 20, GAMMA)),
+                       node_curve=((4096, 1e9), (IN_LOOP_BYTES, 1e12), (1 << 20, 1e12)))
+    p, size = 2, 4096
+    compiled = predict("shm", p, size, machine=machine, dtype="float32").time
+    assert compiled == pytest.approx(1e-6 + size * 1e-10 + (p - 1) * size * GAMMA, rel=1e-9)
+    # int32 calls NumPy: its size's rates, and the node's bandwidth at its size bounds it
+    numpy = predict("shm", p, size, machine=machine, dtype="int32").time
+    assert numpy > compiled + 2e-7 + size * 4e-10
+
+
 def test_shm_regimes_and_the_node_bandwidth():
     from mpiallreduce.shm import SMALL_BYTES, chunk_bytes
 

@@ -202,28 +202,42 @@ class _NodeCosts:
     def __init__(self, machine: Machine, dtype):
         self.machine, self.dtype = machine, np.dtype(dtype).name
 
-    def phase(self, ranks: int, per_rank_seconds: float, traffic_per_rank: float) -> float:
-        # the node's rate where each rank moves this phase's bytes (its caches for small ones)
-        bandwidth = (self.machine.node_bandwidth_at(traffic_per_rank / 2)
+    def phase(self, ranks: int, per_rank_seconds: float, traffic_per_rank: float,
+              rate_at: int = 0) -> float:
+        # the node's rate where each rank moves this phase's bytes (its caches for small ones;
+        # measured with NumPy's copies, so at least ``rate_at``'s where no call is made)
+        bandwidth = (self.machine.node_bandwidth_at(max(traffic_per_rank / 2, rate_at))
                      if ranks > 1 and traffic_per_rank else 0.0)
         if bandwidth > 0:
             return max(per_rank_seconds, ranks * traffic_per_rank / bandwidth)
         return per_rank_seconds
 
-    def copy(self, nbytes: int) -> float:
-        return nbytes * float(self.machine.copy_at(nbytes)) if nbytes else 0.0
+    def copy(self, nbytes: int, rate_at: int = 0) -> float:
+        """A copy of ``nbytes`` at the calibrated rate of copies of ``max(nbytes, rate_at)``
+        bytes (``rate_at``: a copy made without a call of its own, see :data:`IN_LOOP_BYTES`)."""
+        return (nbytes * float(self.machine.copy_at(max(nbytes, rate_at)))
+                if nbytes else 0.0)
 
-    def combine(self, nbytes: int, call: bool = True) -> float:
-        """γ on ``nbytes``, and the per-call cost of a combine unless ``call`` is false."""
-        return (nbytes * float(self.machine.gamma_at(self.dtype, nbytes))
+    def combine(self, nbytes: int, call: bool = True, rate_at: int = 0) -> float:
+        """γ on ``nbytes`` (at the rate of ``max(nbytes, rate_at)``), and the per-call cost of
+        a combine unless ``call`` is false."""
+        return (nbytes * float(self.machine.gamma_at(self.dtype, max(nbytes, rate_at)))
                 + (self.machine.combine if call else 0.0))
 
-    def reduce(self, ranks: int, nbytes: int, call: bool = True, peer: bool = True) -> float:
+    def reduce(self, ranks: int, nbytes: int, call: bool = True, peer: bool = True,
+               rate_at: int = 0) -> float:
         """Combine ``nbytes`` of each of ``ranks`` slots (with ``peer``, the peers' freshly
         written ones cost ``shm_peer`` per byte beyond γ); ``call``: each combine is a call of
         its own."""
-        return (ranks - 1) * (self.combine(nbytes, call)
+        return (ranks - 1) * (self.combine(nbytes, call, rate_at)
                               + (nbytes * self.machine.shm_peer if peer else 0.0))
+
+
+#: the size whose calibrated copy and combine rates (NumPy calls, timed by size) carry no
+#: per-call cost: the compiled small regime's memcpy and loop make no call per copy, so at
+#: every size they take these rates (with the small sizes' own, which hold NumPy's call, the
+#: model put shm at 1-8 KiB 1.4-1.9x its measured time, 2026-12-04)
+IN_LOOP_BYTES = 64 << 10
 
 
 def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Prediction:
@@ -256,9 +270,11 @@ def _predict_shm(nranks, nbytes, topology, machine, dtype, in_place=False) -> Pr
         # shm_call where measured, else a combine's per-call cost per combine
         numpy_calls = np.dtype(dtype).name not in COMPILED_REDUCE_DTYPES
         calls = numpy_calls and machine.shm_call is None
+        rate_at = 0 if numpy_calls else IN_LOOP_BYTES
         time_ = (machine.shm_small + (machine.shm_call if numpy_calls and not calls else 0.0)
-                 + node.phase(p, node.copy(size), 2 * size)
-                 + node.phase(p, node.reduce(p, size, calls), (2 * p - 1) * size))
+                 + node.phase(p, node.copy(size, rate_at), 2 * size, rate_at)
+                 + node.phase(p, node.reduce(p, size, calls, rate_at=rate_at),
+                              (2 * p - 1) * size, rate_at))
         steps = 1
     else:
         part = -(-size // p)
