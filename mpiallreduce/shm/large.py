@@ -66,6 +66,10 @@ class ChunkedPlan(ShmPlan):
         buffers = [[np.frombuffer(segment, dtype=dtype, count=min(per, count - j * per),
                                   offset=base + j * stride) for segment in self._segments]
                    for j in range(1 if count <= per else 2)]
+        # the arrays' addresses, read once: every copy's distance is theirs plus offsets
+        item = dtype.itemsize
+        at = {id(array): array.ctypes.data
+              for array in (source, result, *(b for pair in buffers for b in pair))}
         chunks = []
         for c, start in enumerate(range(0, count, per)):
             stop = min(start + per, count)
@@ -75,7 +79,9 @@ class ChunkedPlan(ShmPlan):
             load = ()
             if peer_inputs is None:
                 # the peers' blocks of our input (our own block is read where it is)
-                load = tuple(copy_call(slots[rank][a:b], source[start + a:start + b])
+                mine = buffers[c % 2][rank]
+                load = tuple(copy_call(slots[rank][a:b], source[start + a:start + b],
+                                       at[id(mine)] - at[id(source)] - start * item)
                              for a, b in ((0, lo), (hi, size)) if b > a)
                 operands = [slot[lo:hi] for slot in slots]
                 operands[rank] = source[start + lo:start + hi]
@@ -90,13 +96,17 @@ class ChunkedPlan(ShmPlan):
                 reduce += self._reduce_into(mine, operands)
                 if self._average:
                     reduce.append(partial(np.divide, mine, self._nranks, mine))
-                copy.append(copy_call(result[start + lo:start + hi], mine))
+                copy.append(copy_call(result[start + lo:start + hi], mine,
+                                      at[id(result)] + start * item
+                                      - at[id(buffers[c % 2][rank])]))
             pull = []
             for q in range(p):
                 first, last = block(size, p, q)
                 if q != rank and last > first:
                     pull.append(copy_call(result[start + first:start + last],
-                                          slots[q][first:last]))
+                                          slots[q][first:last],
+                                          at[id(result)] + start * item
+                                          - at[id(buffers[c % 2][q])]))
             phase = self._phase
             chunks.append((load, (*phase("reduce", c, reduce), *phase("copy out", c, copy)),
                            tuple(phase("copy out", c, pull))))

@@ -36,7 +36,7 @@ LOOP_COPY_BYTES = 4096
 TRAPPED_DISTANCE = 64
 
 
-def copy_call(target: np.ndarray, source: np.ndarray):
+def copy_call(target: np.ndarray, source: np.ndarray, distance: int | None = None):
     """A bound call that copies ``source`` into ``target`` (contiguous, the same number of
     bytes, never overlapping): the one copy between a slot or shared array and a rank's array.
 
@@ -52,16 +52,26 @@ def copy_call(target: np.ndarray, source: np.ndarray):
     slice assignment), whose stores into lines another core has just read beat the loop's:
     32 KiB into the small regime's slot, at 2 ranks, took 8.0 us a call with memcpy and
     10.9-11.2 with the loop (2026-12-04).
+
+    ``distance``: the target's address less the source's, where the caller knows it (reading
+    two arrays' addresses took 5 of the 8 us a call of this costs, a few thousand times per
+    binding of a 64 MiB chunked plan).
     """
     target, source = target.view(np.uint8), source.view(np.uint8)
-    if target.nbytes >= LOOP_COPY_BYTES and trapped(target, source):
+    if target.nbytes >= LOOP_COPY_BYTES and (
+            trapped(target, source) if distance is None else in_band(distance)):
         return partial(np.positive, source, target)
     return partial(memoryview(target).__setitem__, slice(None), memoryview(source))
 
 
 def trapped(target: np.ndarray, source: np.ndarray) -> bool:
     """Whether memcpy from ``source`` to ``target`` falls in :func:`copy_call`'s slow band."""
-    return 0 < (target.ctypes.data - source.ctypes.data) % 4096 < TRAPPED_DISTANCE
+    return in_band(target.ctypes.data - source.ctypes.data)
+
+
+def in_band(distance: int) -> bool:
+    """Whether a target ``distance`` bytes past its source lies in memcpy's slow band."""
+    return 0 < distance % 4096 < TRAPPED_DISTANCE
 
 
 def placed(node: Node, call, source: np.ndarray, result: np.ndarray) -> tuple:
