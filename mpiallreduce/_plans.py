@@ -560,7 +560,7 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
             shape = None
     if cache and state.calls.fits(arrays_bytes(call), shape):
         plan = build(call, state, explicit=False, persistent=True, timeout=None, deadline=deadline)
-        _remember_shape(state, call, objects, plan)
+        _remember_shape(state, call, objects, plan, shape)
         if not state.calls.put(key, CallEntry(call, plan, state, objects)):
             # its scratch tipped it over the cache's bytes: run it this once, and let calls
             # of this shape skip it (built per call, its scratch fresh each time, rabenseifner
@@ -587,14 +587,16 @@ def arrays_bytes(call: Call) -> int:
     return call.recv.nbytes + (0 if call.send is None else call.send.nbytes)
 
 
-def _remember_shape(state: CommState, call: Call, objects: tuple, plan) -> None:
+def _remember_shape(state: CommState, call: Call, objects: tuple, plan, key=None) -> None:
     """Keep the call's shape where a call like it can run through one: native in one piece, or a
-    schedule of at most :data:`STAGE_BYTES` (staged)."""
+    schedule of at most :data:`STAGE_BYTES` (staged). ``key``: its :func:`shape_key`, where the
+    caller has it."""
     comm, sendbuf, recvbuf, op, topology = objects
     native = isinstance(plan, NativePlan)
     if (native and len(plan.pieces) == 1 and not plan.traced) \
             or (not native and call.recv.nbytes <= STAGE_BYTES):
-        key = shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params)
+        if key is None:
+            key = shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params)
         known = SHAPES.get(key)
         if known is not None and known.schedule == (not native) and known.fused == fused(plan):
             return  # (the same call: keep the staged plan it may have built)

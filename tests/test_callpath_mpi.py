@@ -134,8 +134,6 @@ def test_a_call_too_big_for_the_cache_builds_one_plan(comm, monkeypatch, algorit
     build is skipped; too big only with the plan's scratch, that plan runs once and the next
     calls of the shape skip it (persistent, its scratch fresh per call: rabenseifner in place
     at 64 MiB took 138 ms a call against 12 out of place)."""
-    if algorithm == "shm" and comm.size == 1:
-        pytest.skip("shm on one rank: no node transport to build")  # (uniform across ranks)
     state = _state.state(comm)
     x = contribution(comm, 200, "float64")  # 3.2 kB of arrays
     monkeypatch.setattr(state.calls, "max_bytes", 3200 if scratch_tips_it else 1000)

@@ -66,10 +66,11 @@ class ChunkedPlan(ShmPlan):
         buffers = [[np.frombuffer(segment, dtype=dtype, count=min(per, count - j * per),
                                   offset=base + j * stride) for segment in self._segments]
                    for j in range(1 if count <= per else 2)]
-        # the arrays' addresses, read once: every copy's distance is theirs plus offsets
+        # the addresses, read once (each read costs 2.5 us): every copy's distance is theirs
+        # plus offsets; a chunk's slot q of buffer j lies at slot_at[j][q]
         item = dtype.itemsize
-        at = {id(array): array.ctypes.data
-              for array in (source, result, *(b for pair in buffers for b in pair))}
+        source_at, result_at = source.ctypes.data, result.ctypes.data
+        slot_at = [[buffer.ctypes.data for buffer in pair] for pair in buffers]
         chunks = []
         for c, start in enumerate(range(0, count, per)):
             stop = min(start + per, count)
@@ -79,9 +80,8 @@ class ChunkedPlan(ShmPlan):
             load = ()
             if peer_inputs is None:
                 # the peers' blocks of our input (our own block is read where it is)
-                mine = buffers[c % 2][rank]
                 load = tuple(copy_call(slots[rank][a:b], source[start + a:start + b],
-                                       at[id(mine)] - at[id(source)] - start * item)
+                                       slot_at[c % 2][rank] - source_at - start * item)
                              for a, b in ((0, lo), (hi, size)) if b > a)
                 operands = [slot[lo:hi] for slot in slots]
                 operands[rank] = source[start + lo:start + hi]
@@ -97,16 +97,14 @@ class ChunkedPlan(ShmPlan):
                 if self._average:
                     reduce.append(partial(np.divide, mine, self._nranks, mine))
                 copy.append(copy_call(result[start + lo:start + hi], mine,
-                                      at[id(result)] + start * item
-                                      - at[id(buffers[c % 2][rank])]))
+                                      result_at + start * item - slot_at[c % 2][rank]))
             pull = []
             for q in range(p):
                 first, last = block(size, p, q)
                 if q != rank and last > first:
                     pull.append(copy_call(result[start + first:start + last],
                                           slots[q][first:last],
-                                          at[id(result)] + start * item
-                                          - at[id(buffers[c % 2][q])]))
+                                          result_at + start * item - slot_at[c % 2][q]))
             phase = self._phase
             chunks.append((load, (*phase("reduce", c, reduce), *phase("copy out", c, copy)),
                            tuple(phase("copy out", c, pull))))
