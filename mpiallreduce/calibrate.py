@@ -25,7 +25,14 @@ from functools import partial
 
 import numpy as np
 
-from .model.fit import NUMPY_RUN_BYTES, NUMPY_RUN_DTYPE, machine_from
+from .model.fit import (
+    NUMPY_RUN_BYTES,
+    NUMPY_RUN_DTYPE,
+    REUSE_ALGORITHM,
+    REUSE_SIZES,
+    SHM_PEER_BYTES,
+    machine_from,
+)
 from .model.machine import INTER, INTRA, NETWORK_100G, Link, Machine
 from .schedule import REDUCE
 from .sizes import human
@@ -43,7 +50,14 @@ def _pingpong_persistent(comm, nbytes: int, iterations: int) -> float:
     plan's steps post them (half the round trip, best of :data:`REPEATS` rounds)."""
     from mpi4py import MPI
 
-    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+    # a send buffer and a receive buffer, as a schedule's steps send from their input and
+    # receive into scratch or the result: with one buffer for both, each message lands in
+    # lines the peer has just read, and the next leaves from lines just written
+    # (Machine.reuse_curve), which cost 1.9-2.2x the one-way time at 16-256 KiB (2026-12-04);
+    # the receive buffer lies COPY_DISTANCE past the send buffer modulo 4096 (the ranks
+    # allocate alike, so the peer's too), outside memcpy's slow band
+    source = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    buf, into = source[:nbytes], _apart(source)[:nbytes]
     rank = comm.Get_rank()
     best = float("inf")
     rounds = SHORT_REPEATS if nbytes <= 64 << 10 else REPEATS
@@ -52,7 +66,7 @@ def _pingpong_persistent(comm, nbytes: int, iterations: int) -> float:
             comm.Barrier()
         return comm.bcast(best, root=0)
     peer = 1 - rank
-    send, recv = comm.Send_init(buf, peer, 8), comm.Recv_init(buf, peer, 8)
+    send, recv = comm.Send_init(buf, peer, 8), comm.Recv_init(into, peer, 8)
     try:
         for _ in range(rounds):
             comm.Barrier()
@@ -272,6 +286,32 @@ def _library_runs(comm, iterations: int = 400) -> list[dict]:
     return rows
 
 
+def _reuse_runs(comm, iterations: int = 20) -> list[dict]:
+    """Microseconds per run of :data:`.model.fit.REUSE_ALGORITHM`'s plan at
+    :data:`.model.fit.REUSE_SIZES` bytes of float64, out of place and in place, interleaved by
+    size (bench rows, as :func:`_library_runs`): in place it sends from and writes its whole
+    result, out of place neither (``Machine.reuse_curve``)."""
+    from mpi4py import MPI
+
+    from .api import plan
+
+    rows = []
+    for size in REUSE_SIZES:
+        x = np.ones(size // 8, np.float64)
+        y = np.ones_like(x)
+        for in_place in (False, True):
+            bound = plan(MPI.IN_PLACE if in_place else x, y, MPI.SUM, comm, REUSE_ALGORITHM)
+            try:  # in place, every run adds to the last result: inf costs nothing
+                with np.errstate(all="ignore"):
+                    seconds = _seconds_per_run(comm, bound.run,
+                                               max(iterations, (4 << 20) // size), REPEATS)
+            finally:
+                bound.free()
+            rows.append({"algorithm": REUSE_ALGORITHM, "size": size, "in_place": in_place,
+                         "avg_us": seconds * 1e6})
+    return rows
+
+
 def _shm_cost(comm, nbytes: int, iterations: int, algorithm: str = "shm", dtype=np.float32,
               **params) -> float | None:
     """Seconds per run of the shm transport's plan of ``nbytes`` of ``dtype`` (slowest rank),
@@ -425,6 +465,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     shapes = _interpreter_terms(comm)
     allreduce = _allreduce_cost(comm)
     library = _library_runs(comm)
+    reuse = _reuse_runs(comm)
     split = Topology.from_comm(comm)
     # the cores of this node: the union of what its ranks may run on (mpirun binds each rank to
     # one core, so one rank's own affinity says 1)
@@ -436,7 +477,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     across = split.node[0] != split.node[1]
     limit = small_bytes(comm.Get_size())  # the small regime's most bytes at this size
     shm = {} if across else {size: _shm_cost(comm, size, 100)
-                             for size in (8, limit // 2, 2 * limit)}
+                             for size in (8, SHM_PEER_BYTES, limit // 2, 2 * limit)}
     # where the small regime's load and reduce call NumPy (types the compiled path leaves to it)
     numpy_run = {} if across else {NUMPY_RUN_BYTES: _shm_cost(comm, NUMPY_RUN_BYTES, 100,
                                                               dtype=NUMPY_RUN_DTYPE)}
@@ -456,10 +497,12 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
             "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     measured = {
         "pingpong_sizes": [int(size) for size in sizes], "pingpong_s": times,
+        "pingpong_buffers": 2,
         "sendrecv_s": exchanges,
         "gamma": gamma, "gamma_curve": [list(p) for p in gamma_curve], "copy": copy,
         "copy_curve": [list(p) for p in copy_curve], "fault": fault, "plan_run_s": shapes,
-        "allreduce_s": allreduce, "library_runs": library, "node": list(split.node), "cores": cores,
+        "allreduce_s": allreduce, "library_runs": library, "reuse_runs": reuse,
+        "node": list(split.node), "cores": cores,
         "shm_small_limit": limit, "shm_run_s": {str(k): v for k, v in shm.items()},
         "shm_numpy_run_s": {str(k): v for k, v in numpy_run.items()},
         "hierarchical_shm_run_s": {str(k): v for k, v in phased.items()},

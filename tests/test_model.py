@@ -3,6 +3,7 @@ calibration fit, the predict command line, and the 4096-rank build time (serial,
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -1287,3 +1288,137 @@ def test_native_faults_its_fresh_temporary_in_from_32_mib():
                 pof2 = 1 << (p.bit_length() - 1)
                 assert touched == size - size // pof2
     assert native_faulted(1, 2 * OMPI_FRESH_BYTES, 8) == 0
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 1000])
+def test_reused_bytes_are_the_result_a_rank_sends_from_and_writes(count):
+    """At 2 ranks, recursive doubling sends its untouched input out of place (nothing reused)
+    and its result in place, which it then writes (all of it); the ring out of place forwards
+    the half it reduced (the larger block), in place both halves; every rank of the tree writes
+    what one of them sends. Counted by hand from the schedules, per rank's largest."""
+    from mpiallreduce.model.programs import reused_bytes
+    from mpiallreduce.partition import block
+
+    half = max(hi - lo for lo, hi in (block(count, 2, r) for r in range(2)))
+    expected = {("recursive_doubling", False): 0, ("recursive_doubling", True): count,
+                ("ring", False): half, ("ring", True): count,
+                ("tree", False): count, ("tree", True): count}
+    for (name, in_place), elements in expected.items():
+        assert reused_bytes(name, 2, count, 8, (), in_place) == 8 * elements, (name, in_place)
+    assert reused_bytes("ring", 1, count, 8, (), True) == 0
+    assert reused_bytes("ring", 2, 0, 8, (), True) == 0
+
+
+def _reuse_measurements(rate: float, **more) -> dict:
+    """A quick calibration with two-buffer ping-pong and recursive doubling's runs in place
+    and out of place as the model priced them with ``rate`` s/B of reuse at every size."""
+    from mpiallreduce.model import machine_from
+    from mpiallreduce.model.fit import REUSE_ALGORITHM, REUSE_SIZES
+    from mpiallreduce.model.programs import reused_bytes
+
+    measured = _quick_measurements(pingpong_buffers=2, **more)
+    plain = machine_from(measured)
+    rows = []
+    for size in REUSE_SIZES:
+        for in_place in (False, True):
+            time = predict(REUSE_ALGORITHM, 2, size, machine=plain, dtype="float64",
+                           in_place=in_place).time
+            time += rate * reused_bytes(REUSE_ALGORITHM, 2, size // 8, 8, (), in_place)
+            rows.append({"algorithm": REUSE_ALGORITHM, "size": size, "in_place": in_place,
+                         "avg_us": time * 1e6})
+    return {**measured, "reuse_runs": rows}
+
+
+def test_the_reuse_curve_is_what_recursive_doubling_pays_in_place_beyond_out_of_place():
+    """calibrate times recursive doubling in place (it sends its result, then writes it) and
+    out of place (it sends its untouched input); the fit recovers the rate that made the runs,
+    and the schedules then pay it on the bytes they reuse, on one node only."""
+    from mpiallreduce.model import machine_from
+    from mpiallreduce.model.fit import REUSE_SIZES
+    from mpiallreduce.model.programs import reused_bytes
+
+    rate = 1.5e-10
+    machine = machine_from(_reuse_measurements(rate))
+    assert [b for b, _ in machine.reuse_curve] == list(REUSE_SIZES)
+    assert [r for _, r in machine.reuse_curve] == pytest.approx([rate] * len(REUSE_SIZES))
+    plain = replace(machine, reuse_curve=None)
+    for name in ("ring", "tree", "recursive_doubling"):
+        for in_place in (False, True):
+            extra = (predict(name, 2, 256 << 10, machine=machine, in_place=in_place).time
+                     - predict(name, 2, 256 << 10, machine=plain, in_place=in_place).time)
+            assert extra == pytest.approx(
+                rate * reused_bytes(name, 2, 64 << 10, 4, (), in_place), rel=1e-9)
+    two_nodes = Topology.from_levels([0, 1])
+    assert predict("ring", 2, 256 << 10, two_nodes, machine, in_place=True).time == \
+        pytest.approx(predict("ring", 2, 256 << 10, two_nodes, plain, in_place=True).time)
+    # runs in place faster than the model's difference give 0, not a negative rate
+    assert {r for _, r in machine_from(_reuse_measurements(-rate)).reuse_curve} == {0.0}
+    # an old calibration (no reuse runs) has no curve; the machine refits to itself
+    assert machine_from(_quick_measurements()).reuse_curve is None
+    assert machine_from(machine.info["measurements"]) == machine
+
+
+def test_the_schedules_take_the_exchange_past_the_eager_sizes_with_a_two_buffer_pingpong():
+    """With a send and a receive buffer the ping-pong times one copy at a time; past
+    NATIVE_LINK_BYTES a schedule's exchange steps copy on both ranks at once (the blocking
+    exchange, 1.5x the one-way time at 4-64 MiB on the 2-core VM), so the schedules' link is
+    the ping-pong up to there and the exchange (less mpi4py's call) past it."""
+    from mpiallreduce.model import machine_from
+    from mpiallreduce.model.fit import NATIVE_LINK_BYTES
+
+    sizes = [1, 256, 512, 4096, 65536, 1 << 20]
+    pingpong = [1e-6, 1.05e-6, 1.1e-6, 3e-6, 1.2e-5, 1e-4]
+    exchanges = [1.4e-6, 1.45e-6, 2.0e-6, 5.4e-6, 1.4e-5, 1.6e-4]
+    base = dict(pingpong_sizes=sizes, pingpong_s=pingpong, sendrecv_s=exchanges)
+    old = machine_from(_quick_measurements(**base))
+    new = machine_from(_quick_measurements(**base, pingpong_buffers=2))
+    assert old.intra.curve == tuple(zip(sizes, pingpong))
+    assert [b for b, _ in new.intra.curve] == sizes
+    assert [t for _, t in new.intra.curve] == pytest.approx(
+        [t if b <= NATIVE_LINK_BYTES else e - 0.4e-6
+         for b, t, e in zip(sizes, pingpong, exchanges)])
+    assert new.native_link.curve[-1][1] == pytest.approx(1.6e-4 - 0.4e-6)
+    assert old.native_link.curve[-1] == (1 << 20, 1e-4)
+
+
+def test_a_large_results_pieces_move_no_faster_per_byte_than_the_whole():
+    """The ping-pong resends one buffer, cache-hot; a segmented ring streams its 256 KiB
+    pieces through a result that left the caches long ago: from 64 KiB up, a message costs
+    at least the whole result's per-byte time."""
+    link = Link(1e-6, 1e-10, ((1, 1e-6), (256 << 10, 2e-5), (16 << 20, 4e-3)))
+    machine = replace(model.DEFAULT_MACHINE, intra=link)
+    whole = 16 << 20
+    seg = predict("ring_segmented", 2, whole, machine=machine)
+    ring = predict("ring", 2, whole, machine=machine)
+    per_byte = link.cost(whole) / whole
+    # each rank sends half the result in either: at the whole's rate at least
+    assert seg.time >= (whole // 2) * per_byte
+    assert ring.time >= (whole // 2) * per_byte
+    # small results keep their messages' own costs (eager sizes: the protocol decides)
+    from mpiallreduce.model.simulate import STREAM_BYTES, _Costs
+    costs = _Costs(machine, "float32", False, 8 << 10)
+    assert costs.on(link, 4 << 10) == pytest.approx(link.cost(4 << 10))
+    big = _Costs(machine, "float32", False, whole)
+    assert big.on(link, STREAM_BYTES // 2) == pytest.approx(link.cost(STREAM_BYTES // 2))
+    assert big.on(link, 256 << 10) == pytest.approx((256 << 10) * per_byte)
+
+
+def test_shm_reads_a_few_kib_of_the_peers_lines_at_their_own_rate():
+    """calibrate times shm's small regime at 4 KiB too: where the peers' lines come one
+    latency at a time the fitted rate is the run's own, and 64 KiB keeps its rate."""
+    from mpiallreduce.model import machine_from
+    from mpiallreduce.model.fit import SHM_PEER_BYTES
+
+    shm = {"8": 1e-6, str(SHM_PEER_BYTES): 4e-6, str(64 << 10): 5e-5, str(256 << 10): 2e-4}
+    machine = machine_from(_quick_measurements(shm_small_limit=128 << 10, shm_run_s=shm))
+    split = Topology.from_levels([0, 0])
+    # (8 B within its few bytes of the peers' rate, fitted after it)
+    for size, rel in ((8, 1e-2), (SHM_PEER_BYTES, 1e-6), (64 << 10, 1e-6), (256 << 10, 1e-6)):
+        assert predict("shm", 2, size, split, machine).time == pytest.approx(
+            shm[str(size)], rel=rel), size
+    assert [b for b, _ in machine.shm_peer_curve] == [SHM_PEER_BYTES, 64 << 10]
+    assert min(rate for _, rate in machine.shm_peer_curve) > 0
+    without = dict(shm)
+    del without[str(SHM_PEER_BYTES)]
+    assert machine_from(_quick_measurements(shm_small_limit=128 << 10,
+                                            shm_run_s=without)).shm_peer_curve is None

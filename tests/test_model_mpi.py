@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from mpiallreduce.calibrate import LIBRARY_ALGORITHMS, LIBRARY_SIZES, calibrate
 from mpiallreduce.model import Machine, machine_from, predict
+from mpiallreduce.model.fit import REUSE_ALGORITHM, REUSE_SIZES, SHM_PEER_BYTES
 from mpiallreduce.shm import small_bytes
 
 pytestmark = pytest.mark.mpi
@@ -35,7 +36,9 @@ def test_calibrate_measures_every_term_on_every_rank():
     # the shm regimes: 8 B, half the limit, twice it; and the small regime where it calls
     # NumPy (int32, which the compiled path leaves to it) for shm_call
     limit = small_bytes(comm.Get_size())
-    assert set(machine.info["shm_run_s"]) == {"8", str(limit // 2), str(2 * limit)}
+    assert set(machine.info["shm_run_s"]) == {"8", str(SHM_PEER_BYTES), str(limit // 2),
+                                              str(2 * limit)}
+    assert [b for b, _ in machine.shm_peer_curve] == [SHM_PEER_BYTES, limit // 2]
     assert set(machine.info["measurements"]["shm_numpy_run_s"]) == {"2048"}
     assert machine.shm_call >= 0 and machine.fault >= 0
     # hierarchical over shared memory on this node, in shm's two regimes
@@ -56,6 +59,15 @@ def test_calibrate_measures_every_term_on_every_rank():
         (name, size, mode) for name in LIBRARY_ALGORITHMS for size in LIBRARY_SIZES
         for mode in (False, True))
     assert all(r["avg_us"] > 0 for r in runs)
+    # a send and a receive buffer; recursive doubling in place against out of place, whose
+    # difference (per byte it reuses) is the reuse curve, at every size measured
+    assert machine.info["measurements"]["pingpong_buffers"] == 2
+    reuse = machine.info["measurements"]["reuse_runs"]
+    assert sorted((r["algorithm"], r["size"], r["in_place"]) for r in reuse) == sorted(
+        (REUSE_ALGORITHM, size, mode) for size in REUSE_SIZES for mode in (False, True))
+    assert all(r["avg_us"] > 0 for r in reuse)
+    assert [b for b, _ in machine.reuse_curve] == list(REUSE_SIZES)
+    assert min(rate for _, rate in machine.reuse_curve) >= 0
     # one machine on every rank (rank 0's measurements, broadcast)
     assert comm.allgather(machine.to_dict()) == [machine.to_dict()] * comm.Get_size()
     assert Machine.from_dict(machine.to_dict()) == machine

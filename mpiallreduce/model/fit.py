@@ -42,6 +42,43 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
 NATIVE_LINK_BYTES = 64 << 10
 
 
+#: the schedule and result sizes (bytes of float64) whose runs in place against out of place
+#: give ``Machine.reuse_curve``: recursive doubling sends its input out of place and its result
+#: in place, which it then writes (at 2 ranks: none of its result, all of it). From 1 MiB up
+#: the lines leave the caches before they are written again, and the difference fades.
+REUSE_ALGORITHM, REUSE_SIZES = "recursive_doubling", (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def reuse_curve(rows: Sequence[dict], machine: Machine, nranks: int, topology=None
+                ) -> tuple[tuple[int, float], ...] | None:
+    """``Machine.reuse_curve`` from :data:`REUSE_ALGORITHM`'s measured rows (``size``,
+    ``in_place``, ``avg_us``): at each size, what the run in place costs beyond the run out of
+    place, less the model's own difference between them, per byte the two reuse apart (0 where
+    it came out negative); None without both modes of a size."""
+    from .programs import reused_bytes
+
+    runs = {(int(row["size"]), bool(row["in_place"])): row["avg_us"] * 1e-6 for row in rows}
+    plain = replace(machine, reuse_curve=None)
+    points = []
+    for size in sorted({size for size, _ in runs}):
+        if (size, True) not in runs or (size, False) not in runs:
+            continue
+        count = size // 8
+        apart = (reused_bytes(REUSE_ALGORITHM, nranks, count, 8, (), True)
+                 - reused_bytes(REUSE_ALGORITHM, nranks, count, 8, (), False))
+        if apart <= 0:
+            continue  # (more ranks than 2: both modes send what they write)
+        modelled = [predict(REUSE_ALGORITHM, nranks, size, topology, plain, "float64",
+                            in_place=mode).time for mode in (False, True)]
+        excess = (runs[size, True] - runs[size, False]) - (modelled[1] - modelled[0])
+        points.append((size, max(0.0, excess / apart)))
+    return tuple(points) or None
+
+
+#: the size at which calibrate also times shm's small regime for ``Machine.shm_peer_curve``
+SHM_PEER_BYTES = 4 << 10
+
+
 #: the size at which calibrate times shm's small regime where it calls NumPy (``shm_call``)
 NUMPY_RUN_BYTES, NUMPY_RUN_DTYPE = 2048, "int32"
 
@@ -118,8 +155,22 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
         # ping-pong's (the same protocol)
         offset = float(np.median([s - t for b, s, t in zip(sizes, exchanges, times)
                                   if b <= 64] or [exchanges[0] - times[0]]))
-        shifted = [max(0.0, s - offset) if b <= NATIVE_LINK_BYTES else t
-                   for b, s, t in zip(sizes, exchanges, times)]
+        if measured.get("pingpong_buffers") == 2:
+            # a ping-pong with a send and a receive buffer (calibrations since 2026-12-04):
+            # past NATIVE_LINK_BYTES both ranks' copies share the memory at once, as every
+            # exchange step's do, which a ping-pong's one copy at a time does not (2 ranks,
+            # 2026-12-04: the exchange took 1.5x the one-way time at 4-64 MiB, and the
+            # schedules' large runs followed it); below, the persistent requests' one-way time
+            # stays the schedules' (the blocking exchange steps where they do not)
+            shifted = [max(0.0, s - offset) for s in exchanges]
+            curve = [e if b > NATIVE_LINK_BYTES else t
+                     for b, e, t in zip(sizes, shifted, times)]
+            line = fit_alpha_beta([b for b, _ in fitted], curve[:len(fitted)])
+            machine = replace(machine, intra=Link(line.alpha, line.beta,
+                                                  tuple(zip(map(int, sizes), curve))))
+        else:
+            shifted = [max(0.0, s - offset) if b <= NATIVE_LINK_BYTES else t
+                       for b, s, t in zip(sizes, exchanges, times)]
         line = fit_alpha_beta([b for b, _ in fitted], shifted[:len(fitted)])
         machine = replace(machine, native_link=Link(line.alpha, line.beta,
                                                     tuple(zip(map(int, sizes), shifted))))
@@ -130,6 +181,9 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
     if library:  # before the shm and phased terms: those are what the runs leave over them
         machine = fit_terms(machine, library, nranks, split,
                             in_place=[bool(row["in_place"]) for row in library])
+    reuse = measured.get("reuse_runs")
+    if reuse and split.nnodes == 1:
+        machine = replace(machine, reuse_curve=reuse_curve(reuse, machine, nranks, split))
     limit = measured.get("shm_small_limit")
     if shm and all(v is not None for v in shm.values()) and split.nnodes == 1:
         # the small regime's fixed cost at 8 B, its per-byte read of the peers' slots from
@@ -150,6 +204,14 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
         machine = with_call(machine)
         rest = shm[half] - predict("shm", nranks, half, split, machine).time
         machine = with_call(replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half))))
+        few = shm.get(SHM_PEER_BYTES)
+        if few is not None and half > SHM_PEER_BYTES:
+            # a few KiB of the peers' lines: their own rate (calibrations since 2026-12-04)
+            flat = replace(machine, shm_peer=0.0)
+            rest = few - predict("shm", nranks, SHM_PEER_BYTES, split, flat).time
+            machine = with_call(replace(machine, shm_peer_curve=(
+                (SHM_PEER_BYTES, max(0.0, rest / ((nranks - 1) * SHM_PEER_BYTES))),
+                (half, machine.shm_peer))))
         large = shm[large_size] - predict("shm", nranks, large_size, split, machine).time
         machine = replace(machine, shm_large=max(0.0, large))
     if phased and all(v is not None for v in phased.values()) and split.nnodes == 1:

@@ -219,12 +219,26 @@ class Machine:
         shm_peer: seconds per byte a rank of the shm transport reads from slots its peers have
             just written (the lines come from the peer's cache), beyond the combine's γ (the
             small regime's: the large regime's chunks are priced without it).
+        shm_peer_curve: ``shm_peer`` by the bytes each rank reads from a slot,
+            ``((bytes, s/B), ...)``, or None (``shm_peer`` at every size): a few KiB of a
+            peer's lines come one latency at a time, where 64 KiB stream (2 ranks, 2026-12-04:
+            0.25 ns/B at 2 KiB against 0.17 at 64 KiB).
         node_bandwidth: bytes per second a node's memory moves for all its ranks at once
             (reads plus writes), or 0 (no limit): the shm transport's copies and combines run
             on every rank of the node together and cannot go faster than this.
         node_curve: measured ``node_bandwidth`` by the bytes each rank copies,
             ``((bytes, B/s), ...)``, or None (``node_bandwidth`` at every size): the node's
             caches carry small copies of all its ranks at once far faster than its memory.
+        reuse_curve: seconds per byte, by the result's size ``((bytes, s/B), ...)``, that a
+            rank pays for the bytes of its result it both sends from and writes in one run
+            (:func:`.programs.reused_bytes`), on one node, or None (not modelled). Open MPI's
+            single-copy transport reads the sender's own memory, so such a line moves between
+            the two cores every run: the peer reads it out of the writer's cache, and the next
+            write must take it back. ``calibrate`` times the ping-pong with a send and a receive
+            buffer (2026-12-04: with one buffer for both, its one-way time at 16-256 KiB was
+            1.9-2.2x the two buffers', so recursive doubling out of place, which sends its
+            untouched input, was predicted 1.4-1.8x too slow) and fits this curve to recursive
+            doubling's runs in place against out of place (``fit.REUSE_SIZES``).
         switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
             algorithm ``"sharp"`` uses it.
         cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
@@ -261,6 +275,8 @@ class Machine:
     shm_call: float | None = None
     fault: float = 0.0
     native_link: Link | None = None
+    reuse_curve: tuple[tuple[int, float], ...] | None = None
+    shm_peer_curve: tuple[tuple[int, float], ...] | None = None
     info: dict = field(default_factory=dict, compare=False, hash=False)
     levels: tuple[tuple[str, Link], ...] = ()
 
@@ -275,7 +291,8 @@ class Machine:
                                        or not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"machine cores must be a positive integer (per node) or None, "
                              f"got {self.cores!r}")
-        for name in ("gamma_curve", "copy_curve", "node_curve"):
+        for name in ("gamma_curve", "copy_curve", "node_curve", "reuse_curve",
+                     "shm_peer_curve"):
             object.__setattr__(self, name, _points(getattr(self, name), f"machine {name}"))
 
     def gamma_at(self, dtype, nbytes):
@@ -292,6 +309,19 @@ class Machine:
         if self.node_curve is None:
             return self.node_bandwidth
         return float(_interpolate(self.node_curve, nbytes, log=True))
+
+    def shm_peer_at(self, nbytes) -> float:
+        """Seconds per byte read from a peer's freshly written slot, in reads of ``nbytes``."""
+        if self.shm_peer_curve is None:
+            return self.shm_peer
+        return float(_interpolate(self.shm_peer_curve, nbytes, log=True))
+
+    def reuse_at(self, nbytes) -> float:
+        """Seconds per reused byte (:attr:`reuse_curve`) in a run of an ``nbytes`` result: the
+        nearest measured size's outside them (0: not modelled)."""
+        if self.reuse_curve is None:
+            return 0.0
+        return float(_interpolate(self.reuse_curve, nbytes, log=True))
 
     def copy_at(self, nbytes):
         """Seconds per byte of an allocate-and-copy of ``nbytes`` (number or array)."""
@@ -332,7 +362,8 @@ class Machine:
                 "phased_small": self.phased_small, "phased_large": self.phased_large,
                 "shm_call": self.shm_call, "fault": self.fault,
                 "native_link": None if self.native_link is None else self.native_link.to_dict(),
-                "cores": self.cores,
+                "reuse_curve": curve(self.reuse_curve),
+                "shm_peer_curve": curve(self.shm_peer_curve), "cores": self.cores,
                 "switch": None if self.switch is None else asdict(self.switch), "info": self.info,
                 "levels": [{"name": name, **link.to_dict()} for name, link in self.levels]}
 
@@ -387,6 +418,8 @@ class Machine:
                    fault=float(data.get("fault", 0.0)),
                    native_link=None if data.get("native_link") is None
                    else Link.from_dict(data["native_link"]),
+                   reuse_curve=data.get("reuse_curve"),
+                   shm_peer_curve=data.get("shm_peer_curve"),
                    info=dict(data.get("info", {})))
 
     @classmethod

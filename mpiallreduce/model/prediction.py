@@ -22,6 +22,7 @@ from .programs import (
     _ring_base,
     _rotated_ring,
     _table,
+    reused_bytes,
 )
 from .shm_layout import COMPILED_REDUCE_DTYPES, SMALL_BYTES, chunk_bytes, small_bytes
 from .simulate import (
@@ -98,6 +99,10 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
     nclasses = len(machine.links)
     parts = _base_parts(name, nranks, count) if symmetric and nranks > 1 and count else None
     costs = _Costs(machine, np.dtype(dtype).name, bool(in_place), count * itemsize)
+    # bytes of its result a rank sends from and writes (one node: Machine.reuse_curve)
+    reuse = (machine.reuse_at(count * itemsize)
+             * reused_bytes(name, nranks, count, itemsize, key, bool(in_place))
+             if machine.reuse_curve is not None and topology.nnodes == 1 else 0.0)
     if parts is not None:
         if name in ROTATION_INVARIANT:
             base = _ring_base(name, nranks, itemsize, key)
@@ -108,7 +113,7 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
             table = _table(name, nranks, topology, itemsize, key, parts, nclasses)
             finish, totals, steps = _simulate_table(table, count, itemsize, costs)
             label = "every rank (slot spans)"
-        return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
+        return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call + reuse,
                           finish.copy(), *totals, steps, label)
     # levels above the network make the ring's quotient a class per position in a site, so
     # the ring of single blocks runs every rank at once in NumPy instead
@@ -116,7 +121,7 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
             if symmetric and len(_places(topology, nclasses)) > 1 else None)
     if ring is not None:
         finish, totals, steps = _simulate_ring_dense(ring, nranks, topology, costs)
-        return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call,
+        return Prediction(name, nranks, int(nbytes), float(finish.max()) + machine.call + reuse,
                           finish, *totals, steps, "every rank (rotated ring, NumPy)")
     quotient = _quotient(name, nranks, count, topology, itemsize, key, symmetric, nclasses)
     clocks = _run(quotient, costs)
@@ -124,7 +129,7 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
     sent_bytes, sent_messages, link_bytes, link_messages, pairs, steps = _counts(quotient)
     link_bytes, link_messages = link_bytes[:nclasses], link_messages[:nclasses]
     finish = clocks[class_of] if len(clocks) else np.zeros(nranks)
-    total = float(finish.max()) + machine.call if finish.size else machine.call
+    total = (float(finish.max()) if finish.size else 0.0) + machine.call + reuse
     return Prediction(name, nranks, int(nbytes), total, finish, sent_bytes[class_of],
                       sent_messages[class_of], tuple(link_bytes), tuple(link_messages), pairs,
                       steps, quotient.partition)
@@ -141,10 +146,17 @@ def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered
     """
     itemsize = np.dtype(dtype).itemsize
     stand_in = native_algorithm(nranks, int(nbytes), itemsize, not ordered)
-    result = predict(stand_in, nranks, nbytes, topology, machine.native(), dtype, symmetric)
+    result = predict(stand_in, nranks, nbytes, topology, replace(machine.native(),
+                                                                 reuse_curve=None),
+                     dtype, symmetric)
     result.name = "native"
     if nranks > 1:
         size = int(nbytes) // itemsize * itemsize
+        if machine.reuse_curve is not None and topology.nnodes == 1:
+            # Open MPI's algorithms load sendbuf into recvbuf or a temporary first and then
+            # send from what they write, as ours do in place
+            result.time += machine.reuse_at(size) * reused_bytes(
+                stand_in, nranks, size // itemsize, itemsize, (), True)
         copies = native_copies(nranks, int(nbytes), itemsize, not ordered, in_place)
         result.time += copies * size * float(machine.copy_at(size)) + machine.native_call
         if machine.fault:
@@ -230,7 +242,7 @@ class _NodeCosts:
         written ones cost ``shm_peer`` per byte beyond γ); ``call``: each combine is a call of
         its own."""
         return (ranks - 1) * (self.combine(nbytes, call, rate_at)
-                              + (nbytes * self.machine.shm_peer if peer else 0.0))
+                              + (nbytes * self.machine.shm_peer_at(nbytes) if peer else 0.0))
 
 
 #: the size whose calibrated copy and combine rates (NumPy calls, timed by size) carry no

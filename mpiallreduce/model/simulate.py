@@ -15,6 +15,10 @@ from ..topology import Topology
 from .machine import INTRA, MAX_CLASSES, Machine
 from .programs import _links, _places, _Quotient, _span_sizes, _Table
 
+#: the least message (and result) whose cost :meth:`_Costs.on` bounds by the whole result's
+#: per-byte time: past the eager sizes, where messages are bandwidth
+STREAM_BYTES = 64 << 10
+
 
 @dataclass(frozen=True)
 class _Costs:
@@ -39,10 +43,24 @@ class _Costs:
         """Seconds of messages of ``nbytes`` on ``link`` (arrays of equal shape, or scalars)."""
         links = self.links
         if all(other == links[0] for other in links[1:]):
-            return links[0].cost(nbytes)
+            return self.on(links[0], nbytes)
         link = np.asarray(link)
         return np.select([link == kind for kind in range(len(links))],
-                         [other.cost(nbytes) for other in links])
+                         [self.on(other, nbytes) for other in links])
+
+    def on(self, link, nbytes):
+        """Seconds of messages of ``nbytes`` on ``link``; from :data:`STREAM_BYTES` up, at
+        least the per-byte time of a message of the whole result: a run's messages stream
+        through ``result_bytes``, so pieces of a result that has left the caches (a segmented
+        ring's) cannot move faster per byte than the whole would (the ping-pong resends one
+        cache-hot buffer). Below, a message's own protocol decides (eager or not)."""
+        cost = link.cost(nbytes)
+        whole = self.result_bytes
+        if whole <= STREAM_BYTES or link.curve is None:
+            return cost
+        nbytes = np.asarray(nbytes, dtype=float)
+        return np.where(nbytes >= STREAM_BYTES,
+                        np.maximum(cost, nbytes * (link.cost(whole) / whole)), cost)
 
     def cpu(self, requests):
         """Seconds of Python before a step's messages: the step and its requests."""
@@ -323,11 +341,11 @@ def _loads(cost, links, curved: bool, costs: _Costs) -> tuple:
     if curved:
         send = [0.0, 0.0]
         for _, nbytes, link in cost.sends:
-            send[min(link, 1)] += float(links[link].cost(nbytes))
+            send[min(link, 1)] += float(costs.on(links[link], nbytes))
         recv = [0.0, 0.0]
         for _, nbytes, link in cost.recvs:
             if nbytes:
-                recv[min(link, 1)] += float(links[link].cost(nbytes))
+                recv[min(link, 1)] += float(costs.on(links[link], nbytes))
         send_load, recv_load = tuple(send), tuple(recv)
     else:
         loads = [[0.0, 0.0], [0.0, 0.0]]
