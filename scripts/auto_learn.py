@@ -9,8 +9,8 @@ are the first guess, unedited): repeated ``mar.allreduce`` calls under ``auto`` 
 the same arrays every call) until the case is learned, counting the calls and their time. Then
 ``auto``'s call (now the winner's cached call) and a call of every algorithm by name
 (``native``, ``shm`` on one node, every schedule; the same arrays, ``check=True`` as ``auto``'s),
-and ``comm.Allreduce`` for reference, timed interleaved as ``mpiallreduce.tune`` times: rounds
-whose order rotates, a batch of calls each, the slowest rank's mean, the median over rounds.
+and ``comm.Allreduce`` for reference, timed interleaved: rounds, each in a fresh order (seeded
+alike on every rank), a batch of calls each, the slowest rank's mean, the median over rounds.
 
 Prints one row per size and mode: auto's time after learning, the best algorithm's (by name)
 and their ratio (the target: <= 1.05), the picked algorithm's time by name over the best's
@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 from functools import partial
@@ -90,8 +91,12 @@ def _time(comm, ways: dict, size: int, repeats: int) -> dict[str, list[float]]:
     for label in labels:
         ways[label]()  # warm
     for round_ in range(repeats):
-        shift = round_ % len(labels)
-        for label in labels[shift:] + labels[:shift]:
+        # a fresh order each round, the same on every rank: rotating one order timed every
+        # label right after the same other one (auto always after the last), whose state it
+        # inherits (at 64 MiB auto came out 1.12-1.22x its own pick by name, 2026-12-04,
+        # where the two took the same time timed back to back)
+        order = random.Random(round_).sample(labels, len(labels))
+        for label in order:
             call = ways[label]
             comm.Barrier()
             start = MPI.Wtime()
