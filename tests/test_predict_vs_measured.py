@@ -97,3 +97,24 @@ def test_the_fit_run_replayed_as_the_model(script, tmp_path):
 def _write(path, data) -> str:
     path.write_text(json.dumps(data))
     return str(path)
+
+
+def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
+    """Issue 38, item 3, on a stored job of this VM (scripts/machine-20261204-1649.json and its
+    two benches, calibrated and measured in one mpirun -n 2 job): the model refitted from the
+    job's own measurements puts at least 85% of the ratios between algorithms within +-25% of
+    the measured ones and picks within 10% of the measured best in at least 90% of the rows.
+    Without the exchange's curve past 64 KiB, the reuse term and shm's rate at 4 KiB, the
+    same measurements gave 63% and 88%."""
+    from pathlib import Path
+
+    from mpiallreduce.model import Machine
+    from mpiallreduce.model.fit import machine_from
+
+    root = Path(__file__).resolve().parent.parent / "scripts"
+    stored = Machine.load(str(root / "machine-20261204-1649.json"))
+    machine = machine_from(stored.info["measurements"])  # the model as it is now
+    rows = script.load_measured([str(root / f"bench-n2-20261204-1649-{mode}.json")
+                                 for mode in ("out", "in")])
+    _, figures = script.as_used(script.compare(rows, machine, None))
+    assert figures["ratios"] >= 0.85 and figures["picks"] >= 0.90, figures
