@@ -597,6 +597,12 @@ def _report(machine: Machine, path: str, out) -> None:
           f"peers' slots; first writes to fresh pages {machine.fault * 1e9:.3f} ns/B; node "
           f"bandwidth {machine.node_bandwidth / 1e9:.1f} GB/s; load "
           f"{machine.info.get('load')}", file=out)
+    if machine.shm_peer_curve is not None:
+        print("shm's reads of the peers' slots: " + ", ".join(
+            f"{human(b)} {r:.3g} s/B" for b, r in machine.shm_peer_curve), file=out)
+    if machine.reuse_curve is not None:
+        print("result bytes sent from and written in one run: " + ", ".join(
+            f"{human(b)} {r:.3g} s/B" for b, r in machine.reuse_curve), file=out)
     if machine.phased_small is not None:
         print(f"hierarchical/cascade over shm: small {machine.phased_small * 1e6:.2f} us, "
               f"large {machine.phased_large * 1e6:.2f} us per call", file=out)

@@ -1422,3 +1422,23 @@ def test_shm_reads_a_few_kib_of_the_peers_lines_at_their_own_rate():
     del without[str(SHM_PEER_BYTES)]
     assert machine_from(_quick_measurements(shm_small_limit=128 << 10,
                                             shm_run_s=without)).shm_peer_curve is None
+
+
+def test_calibrates_report_names_the_reuse_and_the_peers_rates():
+    """What `calibrate` prints after measuring: the curves fitted this afternoon, by size."""
+    import io
+
+    from mpiallreduce.calibrate import _report
+    from mpiallreduce.model import machine_from
+
+    measured = _reuse_measurements(1.5e-10, shm_small_limit=128 << 10, shm_run_s={
+        "8": 1e-6, "4096": 4e-6, str(64 << 10): 5e-5, str(256 << 10): 2e-4})
+    machine = machine_from({**measured, "info": {"mpi_library": "MPI", "host": "h",
+                                                 "date": "today", "load": 0.5}})
+    out = io.StringIO()
+    _report(machine, "m.json", out)
+    lines = out.getvalue().splitlines()
+    reuse = [line for line in lines if line.startswith("result bytes sent from and written")]
+    peers = [line for line in lines if line.startswith("shm's reads of the peers' slots")]
+    assert len(reuse) == 1 and "64K 1.5e-10 s/B" in reuse[0] and "4M 1.5e-10 s/B" in reuse[0]
+    assert len(peers) == 1 and peers[0].count("s/B") == 2 and lines[-1] == "wrote m.json"
