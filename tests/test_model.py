@@ -1442,3 +1442,21 @@ def test_calibrates_report_names_the_reuse_and_the_peers_rates():
     peers = [line for line in lines if line.startswith("shm's reads of the peers' slots")]
     assert len(reuse) == 1 and "64K 1.5e-10 s/B" in reuse[0] and "4M 1.5e-10 s/B" in reuse[0]
     assert len(peers) == 1 and peers[0].count("s/B") == 2 and lines[-1] == "wrote m.json"
+
+
+def test_shms_copies_into_its_slots_pay_no_fresh_pages():
+    """calibrate's copy curve allocates its target every time, so from glibc's largest mmap
+    threshold (32 MiB) it carries the page faults of a fresh mapping; shm copies into slots
+    and results that exist, at the rate of the largest copy below it."""
+    from mpiallreduce.model.prediction import RESIDENT_COPY
+
+    flat = ((4096, 1e-10), (RESIDENT_COPY, 1e-10), (64 << 20, 1e-10))
+    faulted = ((4096, 1e-10), (RESIDENT_COPY, 1e-10), (64 << 20, 4e-10))
+    one_node = Topology.from_levels([0, 0])
+    for size in (RESIDENT_COPY, 64 << 20):
+        assert predict("shm", 2, size, one_node, replace(RICH, copy_curve=faulted)).time \
+            == pytest.approx(predict("shm", 2, size, one_node,
+                                     replace(RICH, copy_curve=flat)).time)
+    # native's copies go into the temporaries it allocates: they keep the curve's rate
+    assert predict("native", 2, 64 << 20, machine=replace(RICH, copy_curve=faulted)).time > \
+        predict("native", 2, 64 << 20, machine=replace(RICH, copy_curve=flat)).time

@@ -227,7 +227,7 @@ class _NodeCosts:
     def copy(self, nbytes: int, rate_at: int = 0) -> float:
         """A copy of ``nbytes`` at the calibrated rate of copies of ``max(nbytes, rate_at)``
         bytes (``rate_at``: a copy made without a call of its own, see :data:`IN_LOOP_BYTES`)."""
-        return (nbytes * float(self.machine.copy_at(max(nbytes, rate_at)))
+        return (nbytes * float(self.machine.copy_at(min(max(nbytes, rate_at), RESIDENT_COPY)))
                 if nbytes else 0.0)
 
     def combine(self, nbytes: int, call: bool = True, rate_at: int = 0) -> float:
@@ -243,6 +243,14 @@ class _NodeCosts:
         its own."""
         return (ranks - 1) * (self.combine(nbytes, call, rate_at)
                               + (nbytes * self.machine.shm_peer_at(nbytes) if peer else 0.0))
+
+
+#: the largest copy whose calibrated rate (allocate and copy) the transport's copies into
+#: their existing slots and results take: from glibc's largest mmap threshold (32 MiB) the
+#: calibration's target is mapped afresh each time and its rate carries the page faults
+#: (``fault``), which a slot written every call never pays (2 ranks, 2026-12-04: shm at 64 MiB
+#: was predicted at 1.8-2.5x its time, the copy rate there 2.4x that of 16 MiB)
+RESIDENT_COPY = OMPI_FRESH_BYTES // 2
 
 
 #: the size whose calibrated copy and combine rates (NumPy calls, timed by size) carry no
