@@ -13,10 +13,10 @@ handful per case that the running program meets and keeps it for the communicato
 For every message size (powers of two), op class and mode (out of place, and in place: the
 ``_in_place`` classes), every rank builds one plan per candidate
 (every registered algorithm that accepts the op class, and ``native``), then runs them
-*interleaved*: ``repeats`` rounds, each timing a batch of runs of every candidate in turn (a
-fresh order each round, seeded alike on every rank: a rotated order ran each candidate right
-after the same other one every round, whose caches and pages it inherits), so a burst of load
-on a shared machine hits every candidate alike. A
+*interleaved*: ``repeats`` rounds, each timing a batch of runs of every candidate in turn
+after one untimed run (a fresh order each round, seeded alike on every rank: a rotated order
+ran each candidate right after the same other one every round, whose caches and pages it
+inherits), so a burst of load on a shared machine hits every candidate alike. A
 batch's time is the slowest rank's mean; a candidate's time is the median over rounds. The
 fastest candidate at each size wins; consecutive sizes with the same winner merge into one
 range. Op classes: ``commutative`` is float64 SUM; ``noncommutative`` is a user op declared
@@ -115,6 +115,7 @@ def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
         for round_ in range(repeats):
             for index in random.Random(round_).sample(range(len(labels)), len(labels)):
                 run = plans[labels[index]].run
+                run()  # untimed: the caches back from the last candidate's, as learning warms
                 comm.Barrier()
                 start = MPI.Wtime()
                 for _ in range(runs):

@@ -10,7 +10,8 @@ the same arrays every call) until the case is learned, counting the calls and th
 ``auto``'s call (now the winner's cached call) and a call of every algorithm by name
 (``native``, ``shm`` on one node, every schedule; the same arrays, ``check=True`` as ``auto``'s),
 and ``comm.Allreduce`` for reference, timed interleaved: rounds, each in a fresh order (seeded
-alike on every rank), a batch of calls each, the slowest rank's mean, the median over rounds.
+alike on every rank), a batch of calls each after one untimed call, the slowest rank's mean,
+the median over rounds.
 
 Prints one row per size and mode: auto's time after learning, the best algorithm's (by name)
 and their ratio (the target: <= 1.05), the picked algorithm's time by name over the best's
@@ -98,6 +99,11 @@ def _time(comm, ways: dict, size: int, repeats: int) -> dict[str, list[float]]:
         order = random.Random(round_).sample(labels, len(labels))
         for label in order:
             call = ways[label]
+            # one untimed call first, as learning warms each candidate: with a dozen ways on
+            # the same arrays the call cache (MPIALLREDUCE_CACHE_BYTES) cannot hold them all,
+            # and a way it evicted rebuilds its plan on its next call (8 MiB, 2026-12-04: the
+            # first call after the others took up to 8.2 ms where the next took 0.9-1.0)
+            call()
             comm.Barrier()
             start = MPI.Wtime()
             for _ in range(runs):
