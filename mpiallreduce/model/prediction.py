@@ -65,7 +65,9 @@ def predict(name: str, nranks: int, nbytes: int, topology: Topology | None = Non
             ``False`` builds and simulates every rank.
         in_place: ``sendbuf`` is ``MPI.IN_PLACE``: the executor's reducing receives land in
             scratch (and are copied back between the sizes of ``SCRATCH_COMBINE``), Open MPI
-            skips the copies of sendbuf into recvbuf.
+            skips the copies of sendbuf into recvbuf, and a schedule sends from the result it
+            writes (``machine.reuse_curve`` prices those bytes on one node,
+            :func:`.programs.reused_bytes`).
         params: builder parameters (``inner=``, ``segment_bytes=``); ``intra=`` for
             hierarchical and cascade: ``"auto"`` (the default, as the library's plans decide:
             the shared-memory intra-node phase wherever some node holds two ranks or more),
@@ -142,7 +144,8 @@ def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered
     Copies of the whole message per call (:func:`native_copies`, from Open MPI 5.0's
     ``coll_base_allreduce.c``) at the calibrated allocate-and-copy rate for that size, and
     the first writes into its temporary where malloc maps it afresh each call
-    (:func:`native_faulted`, at the machine's ``fault`` rate).
+    (:func:`native_faulted`, at the machine's ``fault`` rate), and on one node the stand-in's
+    reused bytes in place (``reuse_curve``): Open MPI works in recvbuf or its temporary.
     """
     itemsize = np.dtype(dtype).itemsize
     stand_in = native_algorithm(nranks, int(nbytes), itemsize, not ordered)
