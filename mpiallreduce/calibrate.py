@@ -257,13 +257,32 @@ LIBRARY_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseif
 LIBRARY_SIZES = (8, 256, 2048)
 
 
+def _run_row(comm, name: str, send, recv: np.ndarray, iterations: int,
+             repeats: int = SHORT_REPEATS) -> dict:
+    """One bench row (``algorithm``, ``size``, ``in_place``, ``avg_us``): ``name``'s plan, or
+    ``comm.Allreduce`` for ``"native"``, on ``send`` (or ``MPI.IN_PLACE``) and ``recv``, float
+    SUM, the slowest rank's best round (:func:`_seconds_per_run`)."""
+    from mpi4py import MPI
+
+    from .api import plan
+
+    bound = None if name == "native" else plan(send, recv, MPI.SUM, comm, name)
+    run = partial(comm.Allreduce, send, recv, MPI.SUM) if bound is None else bound.run
+    try:  # in place, every run adds to the last result: inf costs nothing
+        with np.errstate(all="ignore"):
+            seconds = _seconds_per_run(comm, run, iterations, repeats)
+    finally:
+        if bound is not None:
+            bound.free()
+    return {"algorithm": name, "size": recv.nbytes, "in_place": send is MPI.IN_PLACE,
+            "avg_us": seconds * 1e6}
+
+
 def _library_runs(comm, iterations: int = 400) -> list[dict]:
     """Microseconds per run of :data:`LIBRARY_ALGORITHMS` at :data:`LIBRARY_SIZES` bytes of
     float32, out of place and in place (the slowest rank's best round, as bench rows:
     ``algorithm``, ``size``, ``in_place``, ``avg_us``)."""
     from mpi4py import MPI
-
-    from .api import plan
 
     rows = []
     for in_place in (False, True):
@@ -271,18 +290,7 @@ def _library_runs(comm, iterations: int = 400) -> list[dict]:
             x = np.ones(size // 4, np.float32)
             y = np.ones_like(x)
             send = MPI.IN_PLACE if in_place else x
-            for name in LIBRARY_ALGORITHMS:
-                bound = None if name == "native" else plan(send, y, MPI.SUM, comm, name)
-                run = (partial(comm.Allreduce, send, y, MPI.SUM) if bound is None
-                       else bound.run)
-                try:  # in place, every run adds to the last result: inf costs nothing
-                    with np.errstate(all="ignore"):
-                        seconds = _seconds_per_run(comm, run, iterations)
-                finally:
-                    if bound is not None:
-                        bound.free()
-                rows.append({"algorithm": name, "size": size, "in_place": in_place,
-                             "avg_us": seconds * 1e6})
+            rows += [_run_row(comm, name, send, y, iterations) for name in LIBRARY_ALGORITHMS]
     return rows
 
 
@@ -293,22 +301,13 @@ def _reuse_runs(comm, iterations: int = 20) -> list[dict]:
     result, out of place neither (``Machine.reuse_curve``)."""
     from mpi4py import MPI
 
-    from .api import plan
-
     rows = []
     for size in REUSE_SIZES:
         x = np.ones(size // 8, np.float64)
         y = np.ones_like(x)
-        for in_place in (False, True):
-            bound = plan(MPI.IN_PLACE if in_place else x, y, MPI.SUM, comm, REUSE_ALGORITHM)
-            try:  # in place, every run adds to the last result: inf costs nothing
-                with np.errstate(all="ignore"):
-                    seconds = _seconds_per_run(comm, bound.run,
-                                               max(iterations, (4 << 20) // size), REPEATS)
-            finally:
-                bound.free()
-            rows.append({"algorithm": REUSE_ALGORITHM, "size": size, "in_place": in_place,
-                         "avg_us": seconds * 1e6})
+        rows += [_run_row(comm, REUSE_ALGORITHM, MPI.IN_PLACE if in_place else x, y,
+                          max(iterations, (4 << 20) // size), REPEATS)
+                 for in_place in (False, True)]
     return rows
 
 

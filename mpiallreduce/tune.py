@@ -90,6 +90,33 @@ def candidates(op_class: str) -> list[Candidate]:
     return [Candidate(name, name) for name in ["native", "shm", *names]]
 
 
+def interleaved(comm, calls: list, size: int, repeats: int) -> np.ndarray:
+    """Time argument-free ``calls`` interleaved: the slowest rank's mean seconds per call of
+    each, per round, an array ``(repeats, len(calls))``, the same on every rank (one
+    collective, as auto's learning agrees on times). Collective.
+
+    Each is called once first (pages in buffers and scratch, makes the connections); then
+    every round times a batch of :func:`batch` calls of each, in a fresh order seeded by the
+    round (the same on every rank: a rotated order ran each call right after the same other
+    one every round, whose caches and pages it inherits), each batch after one untimed call
+    (the caches back from the last one's, as learning warms each candidate; a one-shot call
+    whose cached plan was evicted rebuilds it there, not in the batch)."""
+    runs = batch(size)
+    means = np.zeros((repeats, len(calls)))  # this rank's, per round and call
+    for call in calls:
+        call()
+    for round_ in range(repeats):
+        for index in random.Random(round_).sample(range(len(calls)), len(calls)):
+            call = calls[index]
+            call()
+            comm.Barrier()
+            start = MPI.Wtime()
+            for _ in range(runs):
+                call()
+            means[round_, index] = (MPI.Wtime() - start) / runs
+    return learn.slowest(comm, means)
+
+
 def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
             in_place: bool = False) -> dict[str, float]:
     """Return each candidate's median seconds per call at ``size`` bytes (float64), the same on
@@ -106,26 +133,12 @@ def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
                                          **cand.params)
         except ValueError:
             continue
-    runs = batch(size)
     labels = list(plans)
-    means = np.zeros((repeats, len(labels)))  # this rank's, per round and candidate
     try:
-        for label in labels:  # warm-up: page in buffers and scratch, make the connections
-            plans[label].run()
-        for round_ in range(repeats):
-            for index in random.Random(round_).sample(range(len(labels)), len(labels)):
-                run = plans[labels[index]].run
-                run()  # untimed: the caches back from the last candidate's, as learning warms
-                comm.Barrier()
-                start = MPI.Wtime()
-                for _ in range(runs):
-                    run()
-                means[round_, index] = (MPI.Wtime() - start) / runs
+        rounds = interleaved(comm, [plans[label].run for label in labels], size, repeats)
     finally:
         for plan in plans.values():
             plan.free()
-    # the slowest rank's mean of each batch, as auto's learning agrees on times (one collective)
-    rounds = learn.slowest(comm, means)
     return {label: statistics.median(rounds[:, index]) for index, label in enumerate(labels)}
 
 

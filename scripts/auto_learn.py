@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import statistics
 import sys
 from functools import partial
@@ -50,7 +49,7 @@ from mpi4py import MPI  # noqa: E402
 import mpiallreduce as mar  # noqa: E402
 from mpiallreduce import algorithms, learn, select  # noqa: E402
 from mpiallreduce.sizes import human, parse_sizes  # noqa: E402
-from mpiallreduce.tune import batch  # noqa: E402
+from mpiallreduce.tune import interleaved  # noqa: E402
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,2M,8M,64M"
 #: most calls a case may take to learn before the script gives up on it (a defect)
@@ -86,30 +85,15 @@ def _contenders(comm, send, out) -> dict:
 
 
 def _time(comm, ways: dict, size: int, repeats: int) -> dict[str, list[float]]:
-    runs = batch(size)
+    """Each way's slowest-rank mean per round (:func:`mpiallreduce.tune.interleaved`: a fresh
+    order each round and one untimed call before each batch; with a dozen ways on the same
+    arrays the call cache (MPIALLREDUCE_CACHE_BYTES) cannot hold them all, and at 8 MiB a way
+    it evicted took up to 8.2 ms on its next call where the one after took 0.9-1.0; with a
+    rotated order auto, timed always after the same way, came out 1.12-1.22x its own pick by
+    name at 64 MiB, 2026-12-04)."""
     labels = list(ways)
-    samples: dict[str, list[float]] = {label: [] for label in labels}
-    for label in labels:
-        ways[label]()  # warm
-    for round_ in range(repeats):
-        # a fresh order each round, the same on every rank: rotating one order timed every
-        # label right after the same other one (auto always after the last), whose state it
-        # inherits (at 64 MiB auto came out 1.12-1.22x its own pick by name, 2026-12-04,
-        # where the two took the same time timed back to back)
-        order = random.Random(round_).sample(labels, len(labels))
-        for label in order:
-            call = ways[label]
-            # one untimed call first, as learning warms each candidate: with a dozen ways on
-            # the same arrays the call cache (MPIALLREDUCE_CACHE_BYTES) cannot hold them all,
-            # and a way it evicted rebuilds its plan on its next call (8 MiB, 2026-12-04: the
-            # first call after the others took up to 8.2 ms where the next took 0.9-1.0)
-            call()
-            comm.Barrier()
-            start = MPI.Wtime()
-            for _ in range(runs):
-                call()
-            samples[label].append(comm.allreduce((MPI.Wtime() - start) / runs, op=MPI.MAX))
-    return samples
+    rounds = interleaved(comm, [ways[label] for label in labels], size, repeats)
+    return {label: rounds[:, index].tolist() for index, label in enumerate(labels)}
 
 
 def _medians(samples: dict, rounds: slice = slice(None)) -> dict[str, float]:

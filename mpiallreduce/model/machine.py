@@ -344,8 +344,9 @@ class Machine:
 
     def native(self) -> Machine:
         """The same machine without interpreter terms: what MPI's own C code pays, its
-        messages within a node at ``native_link`` where calibrated."""
-        return replace(self, step=0.0, call=0.0, request=0.0, combine=0.0,
+        messages within a node at ``native_link`` where calibrated (and no ``reuse_curve``:
+        native's stand-in reuses as Open MPI's algorithms do, priced by the caller)."""
+        return replace(self, step=0.0, call=0.0, request=0.0, combine=0.0, reuse_curve=None,
                        intra=self.intra if self.native_link is None else self.native_link)
 
     def to_dict(self) -> dict:

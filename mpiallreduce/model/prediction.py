@@ -149,9 +149,7 @@ def _predict_native(nranks, nbytes, topology, machine, dtype, symmetric, ordered
     """
     itemsize = np.dtype(dtype).itemsize
     stand_in = native_algorithm(nranks, int(nbytes), itemsize, not ordered)
-    result = predict(stand_in, nranks, nbytes, topology, replace(machine.native(),
-                                                                 reuse_curve=None),
-                     dtype, symmetric)
+    result = predict(stand_in, nranks, nbytes, topology, machine.native(), dtype, symmetric)
     result.name = "native"
     if nranks > 1:
         size = int(nbytes) // itemsize * itemsize

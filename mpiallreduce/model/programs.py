@@ -13,6 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import algorithms
+from .._binding import _Written
 from ..algorithms.ring_segmented import default_segment_bytes, pieces
 from ..errors import ScheduleError
 from ..schedule import REDUCE
@@ -410,60 +411,35 @@ def _ring_base(name: str, nranks: int, itemsize: int, params: tuple):
                  for send_peer, send_slot, _, _, reduces in slots)
 
 
-def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint ``[lo, hi)`` ranges covering ``ranges`` (empty ones dropped)."""
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
-    """Elements in both unions of disjoint sorted ranges."""
-    total, i, j = 0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def _reused(steps, in_place: bool) -> int:
     """Elements of one rank's result that its run both sends from and writes (:func:`reused_bytes`).
 
-    As the executor binds a run: out of place, a send whose range the run has not written yet
-    goes out of sendbuf (the caller's input, which the run never writes); any other send, and
-    every send in place, goes out of the result. Receives write the result (copied, or reduced
-    into it, through scratch or not), and so do the loads of sendbuf into a range a send
-    completes first. Writes and sends anywhere in the run count together: every run is the same,
-    so a range written late in one run and sent early in the next moves between the cores too.
+    As the executor binds a run (its :class:`~.._binding._Written`, the same rule): out of
+    place, a send whose range the run has not written yet goes out of sendbuf (the caller's
+    input, which the run never writes); any other send, and every send in place, goes out of
+    the result. Receives write the result (copied, or reduced into it, through scratch or
+    not), and so do the loads of sendbuf into a range a send completes first. Writes and sends
+    anywhere in the run count together: every run is the same, so a range written late in one
+    run and sent early in the next moves between the cores too.
     """
-    written: list[tuple[int, int]] = []  # out of place: ranges the run has written so far
-    sent: list[tuple[int, int]] = []
-    writes: list[tuple[int, int]] = []
+    written = _Written(in_place)  # what the run has written so far (in place: everything)
+    sent, writes = _Written(False), _Written(False)
     for step in steps:
         for send in step.sends:
-            if send.stop <= send.start:
+            start, stop = send.start, send.stop
+            if stop <= start:
                 continue
             if not in_place:
-                if not _overlap(written, [(send.start, send.stop)]):
+                if not any(was for _, _, was in written.pieces(start, stop)):
                     continue  # out of sendbuf
-                writes.append((send.start, send.stop))  # the rest loaded into the result
-                written = _union(written + [(send.start, send.stop)])
-            sent.append((send.start, send.stop))
+                writes.add(start, stop)  # the rest loaded into the result
+                written.add(start, stop)
+            sent.add(start, stop)
         for recv in step.recvs:
-            if recv.stop > recv.start:
-                writes.append((recv.start, recv.stop))
-                if not in_place:
-                    written = _union(written + [(recv.start, recv.stop)])
-    return _overlap(_union(writes), _union(sent))
-
+            writes.add(recv.start, recv.stop)
+            written.add(recv.start, recv.stop)
+    return sum(hi - lo for first, last in sent.ranges
+               for lo, hi, was in writes.pieces(first, last) if was)
 
 @lru_cache(maxsize=1024)
 def reused_bytes(name: str, nranks: int, count: int, itemsize: int, params: tuple,
