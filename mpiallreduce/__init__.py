@@ -1,11 +1,12 @@
 """mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
 
 from . import _checks, _state
+from ._state import recover
 from .api import ALGORITHMS, allreduce, iallreduce, plan, start
 from .collectives import allgather, alltoall, bcast, reduce_scatter
 from .comm import Comm
 from .compression import TopK, cast_allreduce
-from .errors import CollectiveTimeout, ScheduleError
+from .errors import CollectiveTimeout, CommunicatorRevoked, ScheduleError
 from .executor import Plan
 from .grad import SGD, DelayedSync, GradSync, ShardedSGD
 from .nonblocking import Request
@@ -28,8 +29,9 @@ def __getattr__(name):
         return importlib.import_module(".torch", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "DelayedSync", "GradSync",
-           "Plan", "Request", "ReproduciblePlan", "ScheduleError", "SharedArray", "ShardedSGD",
-           "TopK", "Topology", "__version__", "allgather", "allreduce", "alltoall", "bcast",
-           "cast_allreduce", "dot", "iallreduce", "norm2", "plan", "reduce_scatter", "shared_empty",
-           "shared_zeros", "start", "sum", "trace"]
+__all__ = ["ALGORITHMS", "AVG", "SGD", "CollectiveTimeout", "Comm", "CommunicatorRevoked",
+           "DelayedSync", "GradSync", "Plan", "Request", "ReproduciblePlan", "ScheduleError",
+           "SharedArray", "ShardedSGD", "TopK", "Topology", "__version__", "allgather",
+           "allreduce", "alltoall", "bcast", "cast_allreduce", "dot", "iallreduce", "norm2",
+           "plan", "recover", "reduce_scatter", "shared_empty", "shared_zeros", "start", "sum",
+           "trace"]

@@ -25,8 +25,10 @@ from array import array
 from mpi4py import MPI
 
 from ._checks import COLLECTIVE_ALGORITHMS, check_comm
+from ._revoke import Watched
 from ._state import state as comm_state
-from ._waiting import MPI_CANNOT_SAY, check_timeout, deadline_of, wait_or_fail
+from ._waiting import MPI_CANNOT_SAY, check_timeout, deadline_of, tested, wait_until
+from .errors import CollectiveTimeout
 from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
 from .shm.protocol import UNKNOWN, differs
 from .shm.protocol import name_ranks as _ranks
@@ -60,32 +62,40 @@ class Signature:
 
 
 def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Exception | None,
-          names: tuple[str, ...], timeout: float | None = None, fail=None) -> None:
+          names: tuple[str, ...], timeout: float | None = None, state=None) -> None:
     """Raise the same exception on every rank if any rank's input was bad or ranks disagree.
 
-    With a ``timeout``, ``fail(reason, pending, keep)`` (``CommState.fail``) marks the
-    communicator unusable and raises CollectiveTimeout when it passes. Where the ranks share
-    one node's memory (after the first ``shm`` call), the check runs over the shared headers
-    instead of a collective (:meth:`mpiallreduce.shm.Node.agree`).
+    ``state``: the communicator's (``CommState``). With a ``timeout``, its ``fail`` revokes the
+    communicator and raises CollectiveTimeout when it passes. The check hears the
+    communicator's alarm (:mod:`._revoke`): before its blocking collective (which nothing can
+    interrupt), and in its polled one. Where the ranks share one node's memory (after the first
+    ``shm`` call), the check runs over the shared headers instead of a collective
+    (:meth:`mpiallreduce.shm.Node.agree`).
     """
     try:
         node = checker.Get_attr(CHECK_KEYVAL)
         if node is not None:
-            if not node.agree(signature, timeout, what, fail or _ignore) or error is not None:
+            if not node.agree(signature, timeout, what, _ignore if state is None else state.fail) \
+                    or error is not None:
                 disagree(checker, what, signature.fields, error, names)
             return
+        where = f"{what} on rank {checker.Get_rank()}"
         if timeout is None:
+            if state is not None:
+                state.check_alarm(where)
             checker.Allreduce(signature.packed, signature.result, MPI.MAX)
         else:
-            wait_or_fail(
-                [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)],
-                deadline_of(timeout),
-                lambda reason, pending: fail(reason, pending, (signature,)),
-                lambda: (f"{what} on rank {checker.Get_rank()}: the argument check did not complete "
-                         f"within {timeout:g} s; some rank of the communicator has not made this "
-                         f"call, or runs calls on it in a different order, or passed check=False "
-                         f"(no data has moved yet; the check is one MPI collective, and "
-                         f"{MPI_CANNOT_SAY})"))
+            requests = [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)]
+            ready = tested(requests)
+            if state is not None and state.alarm is not None:
+                ready = Watched(ready, state.alarm, lambda: state.hear(
+                    state.alarm.heard, where, requests, (signature,)))
+            if not wait_until(ready, deadline_of(timeout)):
+                (state.fail if state is not None else _raise)(
+                    f"{where}: the argument check did not complete within {timeout:g} s; some "
+                    f"rank of the communicator has not made this call, or runs calls on it in a "
+                    f"different order, or passed check=False (no data has moved yet; the check "
+                    f"is one MPI collective, and {MPI_CANNOT_SAY})", requests, (signature,))
         if signature.result == signature.packed and error is None:
             return
         disagree(checker, what, signature.fields, error, names)
@@ -95,6 +105,10 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
 
 def _ignore(*args) -> None:
     pass
+
+
+def _raise(reason: str, *args) -> None:
+    raise CollectiveTimeout(reason)
 
 
 def disagree(checker: MPI.Intracomm, what: str, mine: list[int], error: Exception | None,
@@ -198,7 +212,7 @@ def prepare(what: str, comm, check: bool, local_checks, collective: str = "allre
         error, signature = exc, Signature(bad_signature())
     try:
         agree(state.checker, what, signature, error, COLLECTIVE_ALGORITHMS[collective], valid,
-              state.fail)
+              state)
     finally:
         error = None  # its traceback holds this frame: no cycle left for the garbage collector
     if carry is not None:

@@ -876,6 +876,9 @@ cdef class SmallRun:
                 self.programs[parity][1]()
             else:
                 self.reduce(parity, result)
+        except BaseException as error:  # a run left in the middle revokes (``_revoke``)
+            node.give_up(error, self.label)
+            raise
         finally:
             fields.finished = epoch
         return 0

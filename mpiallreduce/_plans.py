@@ -18,7 +18,7 @@ from ._state import CALLS, LAST, SHAPES, CommState
 from ._state import state as comm_state
 from .algorithms.compose import check_intra
 from .algorithms.nodes import NODE_PHASED, node_phase
-from .executor import Plan, scratch_size
+from .executor import Plan, run_program, scratch_size
 from .native_plan import NativePlan
 from .ops import native_deviates
 
@@ -294,7 +294,7 @@ class _Known:
         """The separate agreement check of a repeated call (not for ``fused`` ones)."""
         state = self.state
         agree(state.checker, self.what, self.signatures[timeout is not None], None, ALGORITHMS,
-              timeout, state.fail)
+              timeout, state)
 
 
 class BoundCall(_Known, _form.compiled.BoundFields if _form.compiled is not None else object):
@@ -362,7 +362,7 @@ class CallEntry(BoundCall):
         elif isinstance(plan, Plan) and plan._fast is not None:
             # a schedule: its run without deadline, the flat calls (the cache drops the entry
             # before the plan is freed or its communicator breaks, so nothing needs checking)
-            self.direct, self.args = _call_each, (plan._fast,)
+            self.direct, self.args = run_program, (plan._fast, plan)
             if plan._fast_timed is not None:  # and with a deadline, its flat polled steps
                 self.timed = plan.run_timed
 

@@ -25,8 +25,9 @@ from mpi4py import MPI
 
 from ._env import env_int
 from ._lru import LRU
+from ._revoke import Alarm, Revocation
 from ._waiting import meet
-from .errors import CollectiveTimeout
+from .errors import CollectiveTimeout, is_alike
 from .executor import ABANDONED, MPI_CANNOT_SAY, STEP_TAGS, poll
 from .topology import Topology
 
@@ -131,7 +132,7 @@ class CallCache:
             # LAST holds an entry for every recvbuf some entry holds (a miss there means no
             # entry holds it, and the call skips the lookup of its full key): another one's
             del LAST[key[2]]
-            for other_key, other in CALLS.items():
+            for other_key, other in list(CALLS.items()):  # (threads share CALLS)
                 if other_key[2] == key[2]:
                     LAST[key[2]] = other
                     break
@@ -158,9 +159,13 @@ class CallCache:
 class CommState:
     """What mpiallreduce keeps per user communicator (see the module docstring).
 
-    ``broken`` is set when a collective on it timed out: messages of that call may still be in
-    flight, so every later call and every plan on it refuses to run. ``stale`` keeps the
-    requests abandoned then (MPI cannot cancel a collective one).
+    ``broken`` is set when the communicator is revoked (:mod:`._revoke`): this rank gave up on
+    a collective on it, or heard that another rank did. Messages of that call may still be in
+    flight, so every later call and every plan on it refuses to run
+    (:class:`~mpiallreduce.CommunicatorRevoked`). ``stale`` keeps the requests abandoned then
+    (MPI cannot cancel a collective one); ``revocation`` says who gave up on what; ``alarm``
+    is the channel that tells the other ranks; ``nodes`` are the shared-memory nodes whose
+    headers this rank marks.
     """
 
     private: MPI.Intracomm
@@ -178,32 +183,76 @@ class CommState:
     learned: dict = field(default_factory=dict)
     slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
     next_slot: int = 1
+    revocation: Revocation | None = None
+    alarm: Alarm | None = None
+    nodes: list = field(default_factory=list)
 
     def __post_init__(self):
         # TAG_UB is an attribute of COMM_WORLD (MPI-4.1 §7.1.1); MPI guarantees at least 32767
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
         self.slots = max(2, (tag_ub + 1) // STEP_TAGS)
+        if self.alarm is None and self.checker != MPI.COMM_NULL:
+            self.alarm = Alarm(self.checker)
 
-    def mark_broken(self, reason: str, pending=(), keep=()) -> None:
-        """Refuse the communicator from now on. ``pending`` are requests MPI may still complete;
-        ``keep`` the buffers they (or cancelled point-to-point messages) may still touch, held
-        so that MPI never writes into freed memory (mpi4py does not hold them for us)."""
-        self.broken = reason
+    def mark_broken(self, reason: str, pending=(), keep=(), heard: Revocation | None = None,
+                    rank: int | None = None) -> None:
+        """Revoke the communicator: refuse it from now on and, where this rank gives up
+        (``heard`` None), tell the other ranks (the alarm) and mark this rank's headers.
+        ``pending`` are requests MPI may still complete; ``keep`` the buffers they (or
+        cancelled point-to-point messages) may still touch, held so that MPI never writes into
+        freed memory (mpi4py does not hold them for us). ``heard``: another rank gave up.
+        ``rank``: this rank's, where the state has no private duplicate to read it from."""
         self.stale.extend(pending)
         self.kept.extend(keep)
+        if self.revocation is not None:
+            return
+        self.broken = reason
         self.calls.clear()
+        if self.private != MPI.COMM_NULL:
+            rank = self.private.Get_rank()
+        self.revocation = heard if heard is not None else Revocation(rank, reason)
+        if heard is None and self.alarm is not None:
+            self.alarm.send(reason)
+        who = self.revocation.rank if self.revocation.rank is not None else rank
+        for node in self.nodes:
+            node.mark(who)
 
     def fail(self, reason: str, pending=(), keep=()) -> None:
-        """Mark the communicator unusable (:meth:`mark_broken`) and raise CollectiveTimeout."""
-        self.mark_broken(reason, list(pending), keep)
+        """Revoke the communicator (:meth:`mark_broken`) and raise CollectiveTimeout; where
+        another rank gave up first (its alarm came), raise CommunicatorRevoked instead."""
+        heard = self.alarm.test() if self.alarm is not None and self.revocation is None else None
+        self.mark_broken(reason, list(pending), keep, heard)
+        if heard is not None:
+            raise heard.error(reason.split(":", 1)[0])
         raise CollectiveTimeout(reason)
 
+    def hear(self, heard: Revocation, where: str, pending=(), keep=()) -> None:
+        """Another rank gave up (``heard``): revoke here too, raise CommunicatorRevoked."""
+        self.mark_broken(heard.reason, list(pending), keep, heard)
+        raise self.revocation.error(where)
+
+    def heard_mark(self, rank: int, where: str) -> None:
+        """This rank found ``rank``'s mark in a node's header: revoke here too and raise."""
+        self.hear(self.revocation or self.alarm.reason_from(rank), where)
+
+    def give_up(self, error: BaseException, where: str, pending=(), keep=()) -> None:
+        """An exception ends a run in the middle (``where``: ``"<call> on rank r"``): revoke,
+        unless the communicator is revoked already or every rank raises ``error`` alike."""
+        if self.revocation is None and not is_alike(error):
+            self.mark_broken(f"{where}: gave up in the middle of the call "
+                             f"({type(error).__name__}: {error})", list(pending), keep)
+
+    def check_alarm(self, where: str) -> None:
+        """Raise CommunicatorRevoked if another rank's alarm has come (revoking here too)."""
+        if self.revocation is None and self.alarm is not None:
+            heard = self.alarm.test()
+            if heard is not None:
+                self.hear(heard, where)
+
     def refuse_if_broken(self, what: str) -> None:
+        """Raise CommunicatorRevoked (``what``: the call refused) if the communicator is."""
         if self.broken:
-            raise ValueError(f"{what}: an earlier collective on this communicator timed out "
-                             f"({self.broken}); its messages may still be in flight, so this "
-                             f"communicator cannot carry more mpiallreduce calls (free it, or "
-                             f"Abort)")
+            raise (self.revocation or Revocation(None, self.broken)).error(what)
 
     def take_slot(self) -> int:
         """Return the tag base of the next plan (the same on every rank: creation is ordered).
@@ -277,6 +326,8 @@ def _delete_state(comm, keyval, state) -> None:
     if MPI.Is_finalized():
         return
     state.calls.clear()
+    if state.alarm is not None and not state.broken:
+        state.alarm.close()
     for private in (state.private, state.checker, state.native_nonblocking):
         if private is not None and private != MPI.COMM_NULL:
             if state.broken:
@@ -325,6 +376,25 @@ def fail_on(comm: MPI.Intracomm, reason: str, pending=(), raise_: bool = True) -
     if found is None:
         found = CommState(MPI.COMM_NULL, MPI.COMM_NULL)
         comm.Set_attr(KEYVAL, found)
-    found.mark_broken(reason, list(pending))
+    found.mark_broken(reason, list(pending), rank=comm.Get_rank())
     if raise_:
         raise CollectiveTimeout(reason)
+
+
+def recover(comm: MPI.Intracomm) -> None:
+    """Make ``comm`` usable by mpiallreduce again after a revocation (collective: every rank of
+    ``comm`` calls it, revoked or not).
+
+    The ranks meet in a barrier on ``comm`` itself, then each drops its state of ``comm``: the
+    next call makes fresh private duplicates (and shared windows), on which no message or slot
+    of the abandoned call can ever match (the old duplicates are kept, never freed: see
+    :data:`~mpiallreduce.executor.ABANDONED`). Plans bound before stay refused: make new
+    ones. A rank blocked inside MPI's own collective cannot call it (see the docs, "Faults").
+    """
+    comm.Barrier()
+    found = comm.Get_attr(KEYVAL)
+    if found is not None:
+        if found.revocation is None:  # (never told: revoked here too, so nothing is freed
+            # that a revoked rank keeps, and no close waits for it)
+            found.mark_broken("mpiallreduce.recover", heard=Revocation(None, "recovered"))
+        comm.Delete_attr(KEYVAL)

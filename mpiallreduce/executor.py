@@ -26,6 +26,7 @@ from ._binding import (  # noqa: F401 - flat and scratch_size are the package's 
     flat,
     scratch_size,
 )
+from ._revoke import Watched, WatchedWait
 from ._waiting import (  # noqa: F401 - as the package imports them from here
     BUSY_TESTS,
     MPI_CANNOT_SAY,
@@ -107,6 +108,9 @@ class _PlanBase:
         self._result = flat(recvbuf)
         self._average = reducer is not None and reducer.average
         self._nranks = comm.Get_size()
+        # the communicator's alarm (._revoke), which every wait of a run hears
+        alarm = getattr(state, "alarm", None)
+        self._alarm = alarm if self._nranks > 1 else None
         self._broken: str | None = None
         self._freed = False
         self._fast: tuple | None = None  # Plan: the run without deadline, flat (see _flatten)
@@ -129,13 +133,11 @@ class _PlanBase:
             raise ValueError("this plan has been freed")
         if self._in_flight is not None:
             self._refuse_in_flight("run() or start()")
-        if self._broken:
-            raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
         state = self._state
         if state is not None and state.broken:
-            raise ValueError(f"an earlier collective on this communicator timed out "
-                             f"({state.broken}); its messages may still be in flight, so no plan "
-                             f"on this communicator can run again (free it, or Abort)")
+            state.refuse_if_broken(self._where())
+        if self._broken:
+            raise ValueError(f"this plan is unusable after an earlier timeout: {self._broken}")
         if timeout is None:
             timeout = self.timeout
             if timeout is None:
@@ -161,7 +163,8 @@ class _PlanBase:
         self._fast_held = None
 
     def fail(self, reason: str, pending=(), keep=()) -> None:
-        """Mark the plan and its communicator unusable, then raise CollectiveTimeout.
+        """Mark the plan unusable and revoke its communicator, then raise CollectiveTimeout
+        (CommunicatorRevoked where another rank's alarm came first: it gave up first).
 
         ``pending`` are requests MPI cannot cancel (collective ones); the state keeps them.
         """
@@ -170,8 +173,38 @@ class _PlanBase:
         self._timed_out.append(reason)
         if self._state is not None:
             # the buffers stay alive: MPI may still complete what was abandoned
-            self._state.mark_broken(reason, list(pending), (self, *keep))
+            with contextlib.suppress(CollectiveTimeout):
+                self._state.fail(reason, list(pending), (self, *keep))
         raise CollectiveTimeout(f"{reason}; the plan is unusable now")
+
+    def _where(self) -> str:
+        """``"<call> on rank r"``, as messages name this plan's runs."""
+        return f"{getattr(self, '_label', self.algorithm + ' allreduce')} on rank " \
+               f"{self.comm.Get_rank()}"
+
+    def gave_up(self, error: BaseException) -> None:
+        """An exception left a run in the middle: the plan is unusable, and (unless every rank
+        raised it alike) its communicator revoked (:mod:`._revoke`)."""
+        self._broken = self._broken or f"{type(error).__name__}: {error}"
+        self._fast = None
+        self._timed_out.append(self._broken)
+        if self._state is not None:
+            self._state.give_up(error, self._where(), keep=(self,))
+
+    def heard(self, requests=(), bound=None) -> None:
+        """Another rank gave up (its alarm came) while this run waited for ``requests``:
+        withdraw their receives, mark the plan, raise CommunicatorRevoked."""
+        if bound is not None:
+            for request in requests[:len(bound.recvs)]:
+                if not request.Test():
+                    request.Cancel()
+                    request.Test()
+        self._broken = "another rank gave up"
+        self._fast = None
+        self._timed_out.append(self._broken)
+        state = self._state
+        state.hear(state.revocation or state.alarm.heard, self._where(), list(requests),
+                   (self,))
 
     def start(self, timeout: float | None = None):
         """Start a run without waiting for it; return its :class:`mpiallreduce.Request`.
@@ -249,6 +282,11 @@ class Plan(_PlanBase):
         self._fast_timed = self._deadline = self._timeout = None  # a run with a deadline, flat
         self._persistent = persistent
         self._tag_base = tag_base
+        self._waiters: dict = {}  # id(a step's requests) -> its wait (_waiter)
+        # the last call of every run: the alarm heard once more (._revoke), before the result
+        # is handed back
+        self._heard = ((partial(state.check_alarm, self._where()),)
+                       if self._alarm is not None else ())
         need, defer = _scratch_plan(steps)
         total = need * (2 if any(defer) else 1)
         if scratch is None or scratch.size < total or scratch.dtype != recvbuf.dtype:
@@ -323,7 +361,9 @@ class Plan(_PlanBase):
                 self._posted, self._first_requests = len(calls), requests
             calls += pending
             if timed:
-                calls.append(polled_step(self, tested(requests), requests, bound))
+                calls.append(polled_step(self, self._ready(requests, bound), requests, bound))
+            elif self._alarm is not None:
+                calls += phase("wait", bound.index, [self._waiter(requests, bound, posted)])
             elif posted:
                 calls += phase("wait", bound.index, [partial(waitall, requests)])
             elif len(requests) <= SINGLE_REQUESTS:
@@ -336,10 +376,29 @@ class Plan(_PlanBase):
             else:
                 pending = ()
                 calls += phase("combine", bound.index, combines)
-        calls = (*calls, *pending, *phase("finish", None, self._last), *phase("end", None, ()))
+        calls = (*calls, *pending, *self._heard, *phase("finish", None, self._last),
+                 *phase("end", None, ()))
         if self._posted is None:
             self._posted = len(calls)
         return calls
+
+    def _waiter(self, requests: list, bound: _BoundStep, posted: bool):
+        """A step's wait without deadline that hears the alarm (:class:`._revoke.WatchedWait`;
+        ``posted``: the run posts the step afresh into ``requests``), one per list of
+        requests: every flat program of the plan holds the same."""
+        waiter = self._waiters.get(id(requests))
+        if waiter is None or waiter.requests is not requests:
+            ready = partial(MPI.Request.Testall, requests) if posted else tested(requests)
+            waiter = self._waiters[id(requests)] = WatchedWait(
+                ready, requests, self._alarm, partial(self.heard, requests, bound))
+        return waiter
+
+    def _ready(self, requests: list, bound: _BoundStep | None):
+        """``ready()`` of a step's polled wait: its requests tested, and the alarm heard."""
+        ready = tested(requests)
+        if self._alarm is None:
+            return ready
+        return Watched(ready, self._alarm, partial(self.heard, requests, bound))
 
     @property
     def nbytes(self) -> int:
@@ -437,19 +496,26 @@ class Plan(_PlanBase):
         if timeout is None and fast is not None and self.timeout is None \
                 and (state is None or not state.broken):
             # the common case, checked inline: nothing refused, no deadline, persistent requests
-            for call in fast:
-                call()
+            run_program(fast, self)
             return self.recvbuf
         timeout, deadline = self._start(timeout)
         if deadline is not None and self._fast_timed is not None:  # flat, polled steps
             self.run_timed(timeout)
             return self.recvbuf
-        waitall = MPI.Request.Waitall
-        for requests, bound in self.steps():
-            if deadline is None:
-                waitall(requests)
-            elif not poll(requests, deadline):
-                self.expire(requests, bound, timeout)
+        try:
+            for requests, bound in self.steps():
+                if deadline is None:
+                    if self._alarm is None:
+                        MPI.Request.Waitall(requests)
+                    else:
+                        self._waiter(requests, bound, True)()
+                elif not wait_until(self._ready(requests, bound), deadline):
+                    self.expire(requests, bound, timeout)
+            if self._alarm is not None:
+                state.check_alarm(self._where())
+        except BaseException as error:
+            self.gave_up(error)
+            raise
         return self.recvbuf
 
     def run_timed(self, timeout: float) -> None:
@@ -457,8 +523,7 @@ class Plan(_PlanBase):
         without :meth:`run`'s checks: :meth:`run`'s, and the call cache's (``CallEntry.timed``:
         it checks ``timeout``, and drops its entries before their plans can be refused)."""
         self._deadline, self._timeout = time.monotonic() + timeout, timeout
-        for call in self._fast_timed:
-            call()
+        run_program(self._fast_timed, self)
 
     def lean_program(self) -> tuple:
         """The split of a run without deadline (untraced, one step at least; not freed, broken
@@ -594,6 +659,17 @@ class Plan(_PlanBase):
         self.fail(f"{where}: no answer from rank(s) {', '.join(map(str, peers))} in step {index} "
                   f"within {timeout:g} s: {unanswered(index, not_sent, not_received)}",
                   keep=(requests,))
+
+
+def run_program(calls: tuple, plan: _PlanBase) -> None:
+    """Run a plan's flat program (``calls``); an exception that leaves it in the middle makes
+    the plan unusable and revokes its communicator (:meth:`_PlanBase.gave_up`)."""
+    try:
+        for call in calls:
+            call()
+    except BaseException as error:
+        plan.gave_up(error)
+        raise
 
 
 def polled_step(plan: Plan, ready, requests, bound: _BoundStep):

@@ -243,7 +243,7 @@ class Learner:
         check = self._check
         start = MPI.Wtime()
         if check is not None and name != "shm":
-            agree(self._state.checker, "allreduce", check, None, ALGORITHMS)
+            agree(self._state.checker, "allreduce", check, None, ALGORITHMS, state=self._state)
         result = plan.run()
         record.ran(name, MPI.Wtime() - start, timed)
         if record.calls >= record.total:

@@ -9,7 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _hooks
-from ._waiting import MPI_CANNOT_SAY, wait_or_fail
+from ._revoke import Watched
+from ._waiting import MPI_CANNOT_SAY, tested, wait_until
 from .executor import MAX_MESSAGE, _PlanBase, flat
 from .ops import Reducer
 from .partition import segments
@@ -88,10 +89,18 @@ class NativePlan(_PlanBase):
             if deadline is None:
                 comm.Allreduce(send, recv, op)
                 continue
-            wait_or_fail([comm.Iallreduce(send, recv, op)], deadline, self.fail, lambda: (
-                f"native allreduce on rank {comm.Get_rank()}: not complete within {timeout:g} s "
-                f"(a rank did not make this call, or ranks run plans or calls on this "
-                f"communicator in different orders; {MPI_CANNOT_SAY})"))
+            requests = [comm.Iallreduce(send, recv, op)]
+            ready = tested(requests)
+            if self._alarm is not None:
+                ready = Watched(ready, self._alarm, partial(self.heard, requests))
+            if not wait_until(ready, deadline):
+                self.fail(f"native allreduce on rank {comm.Get_rank()}: not complete within "
+                          f"{timeout:g} s (a rank did not make this call, or ranks run plans or "
+                          f"calls on this communicator in different orders; {MPI_CANNOT_SAY}; "
+                          f"a rank blocked in MPI's own blocking Allreduce, without timeout=, "
+                          f"cannot be told and waits)", requests)
+            if self._alarm is not None:  # a late rank's Iallreduce may match an abandoned one
+                self._state.check_alarm(self._where())
         self.average()
         return self.recvbuf
 

@@ -263,7 +263,7 @@ class NodesPlan(ShmPlan):
             if node.sync is not None:
                 node.sync()
             return
-        missing = node.wait(target, deadline, some)
+        missing = node.wait(target, deadline, some, self._where())
         if missing is not None:
             names = ", ".join(str(self._members[q]) for q in missing)
             self.fail(f"{self._label} on rank {self._members[node.rank]}: no answer from "

@@ -410,7 +410,7 @@ def test_the_compiled_start_runs_a_small_shm_plan_itself_and_hands_every_other_s
     """The compiled ``start`` runs a small shm plan without deadline itself (reading the plan's
     fields from its instance dict) once the first start made its complete request, and hands
     the Python ``start`` a plan with a timeout of its own, or one whose communicator broke
-    (which refuses it: ValueError on every rank)."""
+    (which refuses it: CommunicatorRevoked on every rank)."""
     comm = MPI.COMM_WORLD
     if _form.compiled is None or comm.size < 2:
         pytest.skip("the compiled start's own branch runs where the compiled form builds "
@@ -437,7 +437,7 @@ def test_the_compiled_start_runs_a_small_shm_plan_itself_and_hands_every_other_s
         mar.start(timed).wait()
         took_timed = handed[-1:] == [timed]
         _state.existing(private).broken = "a test marked it"
-        with pytest.raises(ValueError, match="a test marked it"):
+        with pytest.raises(mar.CommunicatorRevoked, match="a test marked it"):
             mar.start(bound)
         took_broken = handed[-1] is bound
     finally:

@@ -126,9 +126,7 @@ def _schedule_of(comm, algorithm: str, count: int, **params):
 def _assert_names_what_it_waits_for(messages, waits, label: str) -> None:
     """Every rank but SKIPPER names exactly the peers ``waits`` says, in its words."""
     problems = []
-    for rank, message in enumerate(messages):
-        if rank == SKIPPER:
-            continue
+    for rank, message in _timed_out(messages):
         index, not_sent, not_received = waits[rank]
         expected = (index, sorted({*not_sent, *not_received}), not_sent, not_received)
         if not message.startswith(f"{label} on rank {rank}: no answer from rank(s) ") \
@@ -144,20 +142,39 @@ def _assert_names_what_it_waits_for(messages, waits, label: str) -> None:
 
 
 def _skip_or_time_out(comm, call):
-    """Rank SKIPPER skips ``call``; the others must raise CollectiveTimeout in time."""
+    """Rank SKIPPER skips ``call``; the others must raise in time: CollectiveTimeout, or
+    CommunicatorRevoked where another waiting rank timed out first and its alarm came before
+    this rank's own deadline (at least one rank times out; a revoked one names a rank that
+    did). Returns every rank's timeout message, None for the skipper and the revoked ranks
+    (:func:`_timed_out` reads them)."""
     world = MPI.COMM_WORLD
     world.Barrier()  # everyone starts together, so only the skipper is late
-    message = None
+    message = heard = None
     if comm.rank != SKIPPER:
         start = time.monotonic()
-        with pytest.raises(mar.CollectiveTimeout) as info:
+        with pytest.raises((mar.CollectiveTimeout, mar.CommunicatorRevoked)) as info:
             call()
         elapsed = time.monotonic() - start
-        assert elapsed >= TIMEOUT, f"raised after {elapsed:.2f} s, before the timeout"
+        # (a revoked rank may have left the barrier a moment after the rank that timed out)
+        least = TIMEOUT if info.type is mar.CollectiveTimeout else TIMEOUT / 2
+        assert elapsed >= least, f"raised after {elapsed:.2f} s, before the timeout"
         assert elapsed < TIMEOUT + HANG, f"raised after {elapsed:.2f} s: it hung"
-        message = str(info.value)
+        if info.type is mar.CollectiveTimeout:
+            message = str(info.value)
+        else:
+            heard = info.value.rank
     world.Barrier()  # the skipper waits here until every other rank has timed out
-    return world.allgather(message)
+    messages, heards = world.allgather(message), world.allgather(heard)
+    if comm.size > 1:
+        assert any(m is not None for m in messages), messages
+    for rank, who in enumerate(heards):
+        assert who is None or (who != SKIPPER and messages[who] is not None), (rank, who)
+    return messages
+
+
+def _timed_out(messages):
+    """``(rank, message)`` of every rank that raised CollectiveTimeout (:func:`_skip_or_time_out`)."""
+    return [(rank, message) for rank, message in enumerate(messages) if message is not None]
 
 
 def _drain_messages(comm):
@@ -193,11 +210,18 @@ def _drain_collective(comm, complete):
         state.stale.clear()
 
 
-def _assert_refused_later(comm):
-    if comm.rank != SKIPPER:
-        with pytest.raises(ValueError, match="an earlier collective on this communicator timed "
-                                             "out .*cannot carry more mpiallreduce calls"):
-            mar.allreduce(np.zeros(COUNT), comm=comm, algorithm="ring")
+def _assert_refused_later(comm, skipper_hears: bool = True):
+    """Every rank, the skipper too (it hears the others' alarm), refuses the communicator with
+    CommunicatorRevoked naming a rank that gave up, and its reason. (``skipper_hears`` False:
+    the others gave up setting up the communicator, before the alarm's channel existed.)"""
+    if comm.rank == SKIPPER and not skipper_hears:
+        return
+    with pytest.raises(mar.CommunicatorRevoked, match="the communicator is revoked: rank "
+                                                      r"\d+ gave up on a collective \(.*\); no "
+                                                      "mpiallreduce call on it can run again") \
+            as info:
+        mar.allreduce(np.zeros(COUNT), comm=comm, algorithm="ring")
+    assert info.value.rank != SKIPPER and info.value.reason, info.value
 
 
 @pytest.mark.parametrize("algorithm", SCHEDULES)
@@ -216,10 +240,10 @@ def test_a_skipped_call_times_out_inside_the_schedule(algorithm, monkeypatch):
         assert all(waits.values()), f"some rank does not wait for the skipper: {waits}"
         _assert_names_what_it_waits_for(messages, waits, f"{algorithm} allreduce")
     else:  # shared memory: every rank that has not arrived, the skipper alone
-        for rank, message in enumerate(messages[1:], start=1):
+        for rank, message in _timed_out(messages):
             assert message.startswith(f"{algorithm} allreduce on rank {rank}: no answer from "
                                       f"rank(s) {SKIPPER} in step 0 within {TIMEOUT:g} s"), message
-    for message in messages[1:]:
+    for _, message in _timed_out(messages):
         assert message.endswith("; the plan is unusable now"), message
     _drain_messages(comm)
     _assert_refused_later(comm)
@@ -254,7 +278,7 @@ def test_a_schedules_message_in_full():
     x = contribution(comm, COUNT, "float64")
     messages = _skip_or_time_out(
         comm, lambda: mar.allreduce(x, comm=comm, algorithm="ring", check=False, timeout=TIMEOUT))
-    assert messages[1] == (f"ring allreduce on rank 1: no answer from rank(s) 0 in step 0 within "
+    assert messages[1] in (None, f"ring allreduce on rank 1: no answer from rank(s) 0 in step 0 within "
                            f"{TIMEOUT:g} s: rank 0 has not sent its step 0 message (it has not "
                            f"made this call, or waits itself for a rank that has not; or ranks "
                            f"run plans or calls on this communicator in different orders); the "
@@ -307,7 +331,7 @@ def test_a_skipped_call_times_out_in_the_argument_check(algorithm):
     x = contribution(comm, COUNT, "float64")
     messages = _skip_or_time_out(
         comm, lambda: mar.allreduce(x, comm=comm, algorithm=algorithm, timeout=TIMEOUT))
-    for rank, message in enumerate(messages[1:], start=1):
+    for rank, message in _timed_out(messages):
         assert message == (f"allreduce on rank {rank}: the argument check did not complete "
                            f"within {TIMEOUT:g} s; some rank of the communicator has not made "
                            f"this call, or runs calls on it in a different order, or passed "
@@ -326,16 +350,17 @@ def test_a_native_plan_times_out():
     out = np.empty_like(x)
     p = mar.plan(x, out, comm=comm, algorithm="native")
     messages = _skip_or_time_out(comm, lambda: p.run(timeout=TIMEOUT))
-    for rank, message in enumerate(messages[1:], start=1):
+    for rank, message in _timed_out(messages):
         assert message == (f"native allreduce on rank {rank}: not complete within {TIMEOUT:g} s "
                            f"(a rank did not make this call, or ranks run plans or calls on this "
                            f"communicator in different orders; MPI does not say which rank is "
-                           f"missing); the plan is unusable now")
+                           f"missing; a rank blocked in MPI's own blocking Allreduce, without "
+                           f"timeout=, cannot be told and waits); the plan is unusable now")
     # an explicit native plan runs on a communicator of its own
     _drain_collective(comm, lambda state: p.comm.Iallreduce(x, np.empty_like(x), MPI.SUM).Wait())
     if comm.rank != SKIPPER:
-        with pytest.raises(ValueError, match="this plan is unusable after an earlier timeout: "
-                                             "native allreduce on rank"):
+        with pytest.raises(mar.CommunicatorRevoked, match=f"native allreduce on rank {comm.rank}: "
+                                                          f"the communicator is revoked"):
             p.run()
     p.free()
     _assert_refused_later(comm)
@@ -367,7 +392,7 @@ def test_a_native_related_collective_times_out(collective):
     call, start = calls[collective]
     messages = _skip_or_time_out(comm, lambda: call(comm=comm, algorithm="native", check=False,
                                                     timeout=TIMEOUT))
-    for rank, message in enumerate(messages[1:], start=1):
+    for rank, message in _timed_out(messages):
         assert message == (f"native {collective} on rank {rank}: not complete within "
                            f"{TIMEOUT:g} s (MPI does not say which rank is missing)")
     _drain_collective(comm, lambda state: start(state.private).Wait())
@@ -380,7 +405,7 @@ def test_a_skipped_first_call_times_out_setting_up_the_communicator():
     x = contribution(comm, COUNT, "float64")
     messages = _skip_or_time_out(
         comm, lambda: mar.allreduce(x, comm=comm, algorithm="ring", timeout=TIMEOUT))
-    for rank, message in enumerate(messages[1:], start=1):
+    for rank, message in _timed_out(messages):
         assert message == (f"allreduce on rank {rank}: setting up the communicator "
                            f"(MPI_Comm_idup) did not complete in time; some rank has not made "
                            f"this call (MPI does not say which rank is missing)")
@@ -390,7 +415,7 @@ def test_a_skipped_first_call_times_out_setting_up_the_communicator():
         dup.Free()
     else:
         MPI.Request.Waitall(_state.existing(comm).stale)
-    _assert_refused_later(comm)
+    _assert_refused_later(comm, skipper_hears=False)
     comm.Free()
 
 
@@ -505,12 +530,13 @@ def test_a_plan_times_out_and_is_unusable_afterwards(algorithm):
     p.run()
     assert_matches_native(comm, x, out, MPI.SUM)
     messages = _skip_or_time_out(comm, p.run)
-    assert any(f"no answer from rank(s) {SKIPPER} in step" in m for m in messages[1:]), messages
+    # (the rank that waits for the skipper itself may hear another's alarm first)
+    assert all("no answer from rank(s) " in m for _, m in _timed_out(messages)), messages
     _drain_messages(comm)
     if comm.rank != SKIPPER:
-        with pytest.raises(ValueError, match=f"this plan is unusable after an earlier timeout: "
-                                             f"{algorithm} allreduce on rank {comm.rank}: no "
-                                             f"answer from"):
+        with pytest.raises(mar.CommunicatorRevoked, match=f"{algorithm} allreduce on rank "
+                                                          f"{comm.rank}: the communicator is "
+                                                          f"revoked: rank \\d+ gave up"):
             p.run()
     p.free()
     comm.Free()
@@ -555,7 +581,7 @@ def test_a_comm_with_a_timeout_times_out_in_mpi4pys_own_collectives(name):
         warnings.simplefilter("ignore")  # test_a_comm_with_a_timeout_warns_what_it_cannot_cover
         comm = mar.Comm(_throwaway_comm(), timeout=TIMEOUT)
     messages = _skip_or_time_out(comm, lambda: call(comm))
-    for rank, message in enumerate(messages):
+    for rank, message in _timed_out(messages):
         if rank != SKIPPER:
             assert message == (f"{name} on rank {rank}: MPI's collective did not complete within "
                                f"{TIMEOUT:g} s; some rank has not made this call (MPI does not "

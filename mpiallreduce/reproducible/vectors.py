@@ -90,7 +90,7 @@ def _exact_totals(what: str, components, dtype, comm, algorithm, error) -> list[
         if error is None:
             cache[what, np.dtype(dtype), algorithm] = signature
     # after the agreement every rank has the same kind and dtype, so the same components
-    agree(state.checker, what, signature, error, ALGORITHMS)
+    agree(state.checker, what, signature, error, ALGORITHMS, state=state)
     width = EXACT_WORDS + _FLAGS
     words = _buffer(cache, "exact", width * len(components))
     for index, terms in enumerate(components):

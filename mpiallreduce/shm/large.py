@@ -154,7 +154,8 @@ class ChunkedPlan(ShmPlan):
         regime); a deadline that passes names the missing ranks."""
         for peer in node.peer_steps:
             if peer[0] < target:
-                missing = node.wait(target, deadline, (node.peers, node.peer_steps))
+                missing = node.wait(target, deadline, (node.peers, node.peer_steps),
+                                    self._where())
                 if missing is not None:
                     self.fail(f"{self._label} on rank {node.rank}: no answer from rank(s) "
                               f"{', '.join(map(str, missing))} at the {what} of chunk {chunk} "

@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _form
+from .._revoke import mark_of, marked_rank
 from .._waiting import deadline_of, meet, poll, wait_until
 from ..errors import CollectiveTimeout
 from ..executor import ABANDONED
@@ -97,6 +98,8 @@ class Node(_form.compiled.NodeFields if _form.compiled is not None else object):
                            for parity in (0, 1))
         self.signatures = tuple(tuple(h[lo:hi] for h in self.headers) for lo, hi in self.areas)
         self.written: list = [None, None]  # the plan whose signature each area holds
+        # (the communicator's revocation marks this rank's header: ``_revoke``)
+        state.nodes.append(self)
 
     # -- order: epochs are claimed in call order and run one after the other -----------------
 
@@ -131,22 +134,52 @@ class Node(_form.compiled.NodeFields if _form.compiled is not None else object):
             self.sync()
         self.header[0] = value
 
-    def wait(self, target: int, deadline: float | None, some=None) -> list[int] | None:
+    def mark(self, rank: int) -> None:
+        """Mark ``rank``'s give-up in this rank's header (:mod:`.._revoke`): counter and
+        chunk-step words below anything a peer waits for."""
+        if not self.closed:
+            self.header[0] = self.header[STEP_WORD] = mark_of(rank)
+
+    def wait(self, target: int, deadline: float | None, some=None, where: str | None = None
+             ) -> list[int] | None:
         """Wait until every peer's counter (or, given ``some = (ranks, their headers)``, those
         peers') reaches ``target``; return the ranks missing at ``deadline`` (None once all
-        arrived). Spins, then yields the core, then sleeps (:func:`.._waiting.wait_until`)."""
+        arrived). Spins, then yields the core, then sleeps (:func:`.._waiting.wait_until`).
+
+        A peer's mark (it gave up), or the alarm of a rank elsewhere, ends the wait with
+        CommunicatorRevoked (``where``: ``"<call> on rank r"``, as the message names it)."""
         ranks, headers = (self.peers, self.peer_headers) if some is None else some
+        alarm = self.state.alarm
+        reads = 0
 
         def ready() -> bool:  # a loop, not all(): it runs once per read
-            for peer in headers:  # noqa: SIM110
-                if peer[0] < target:
-                    return False
-            return True
+            nonlocal reads
+            arrived = True
+            for peer in headers:
+                word = peer[0]
+                if word < target:
+                    if word < 0:  # a mark: raised below
+                        return True
+                    arrived = False
+            reads += 1
+            if not arrived and reads % SPIN_READS == 0 and alarm.test() is not None:
+                return True
+            return arrived
         if not wait_until(ready, deadline, spin=self.spin, yield_seconds=YIELD_SECONDS):
             return [q for q, h in zip(ranks, headers) if h[0] < target]
+        if where is None:
+            where = f"shm allreduce on rank {self.state.private.Get_rank()}"
+        for header in headers:
+            if header[0] < 0:
+                self.state.heard_mark(marked_rank(header[0]), where)
+        self.state.check_alarm(where)
         if self.sync is not None:
             self.sync()
         return None
+
+    def give_up(self, error: BaseException, where: str) -> None:
+        """An exception ends a run in the middle (``where``: the call): revoke (:mod:`.._revoke`)."""
+        self.state.give_up(error, f"{where} on rank {self.state.private.Get_rank()}")
 
     # -- the argument check ----------------------------------------------------------------------
 
@@ -172,7 +205,8 @@ class Node(_form.compiled.NodeFields if _form.compiled is not None else object):
             self.header[lo:hi] = signature.shm
             self.written[parity] = None
             self.publish(2 * epoch)
-            missing = self.wait(2 * epoch - 1, deadline)
+            missing = self.wait(2 * epoch - 1, deadline,
+                                where=f"{what} on rank {self.state.private.Get_rank()}")
             if missing is not None:
                 reason = (f"{what} on rank {self.rank}: the argument check did not complete "
                           f"within {timeout:g} s; no answer from rank(s) "

@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 
 from .. import _hooks
+from ..errors import raised_alike
 from ..executor import _PlanBase, _untraced, flat
 from ..ops import DTYPES, exact_sum
 from . import protocol
@@ -292,6 +293,9 @@ class ShmPlan(_PlanBase):
             if node.finished != epoch - 1:
                 node.turn(epoch, deadline, self._label)
             self._run(node, epoch, timeout, deadline)
+        except BaseException as error:  # a run left in the middle revokes (.._revoke)
+            node.give_up(error, self._label)
+            raise
         finally:
             node.finished = epoch
 
@@ -309,7 +313,7 @@ class ShmPlan(_PlanBase):
         target = 2 * epoch - 1 + step
         for peer in node.peer_headers:
             if peer[0] < target:
-                missing = node.wait(target, deadline)
+                missing = node.wait(target, deadline, where=self._where())
                 if missing is not None:
                     self.fail(f"{self._label} on rank {node.rank}: no answer from rank(s) "
                                f"{', '.join(map(str, missing))} in step {step} within "
@@ -325,6 +329,10 @@ class ShmPlan(_PlanBase):
             for header, word in self._peer_digests[parity]:
                 if header[word] != mine:
                     self._mismatch(node.signatures[parity], timeout)
+
+    def _where(self) -> str:
+        """``"<call> on rank r"``, as messages name this plan's runs."""
+        return f"{self._label} on rank {self.comm.Get_rank()}"
 
     def _sign(self, node: Node, parity: int, timeout) -> None:
         """Write this plan's signature (of a run with or without ``timeout``) into the area of
@@ -342,8 +350,17 @@ class ShmPlan(_PlanBase):
         run the same plan on the same memory (a difference in the arguments) or some rank
         checks the arguments of a call here (:meth:`Node.agree`), all of them exchange their
         argument-check fields (the agreement's message, naming the field); where plans or
-        shared-array placement differ, the table names them without a message.
+        shared-array placement differ, the table names them without a message. The call ends
+        on every rank alike, so it revokes nothing (:func:`..errors.raised_alike`).
         """
+        try:
+            self._differences(signatures, timeout)
+        except Exception as error:
+            raised_alike(error)
+            raise
+
+    def _differences(self, signatures, timeout) -> None:
+        """:meth:`_mismatch`'s exception, raised."""
         table = [list(theirs) for theirs in signatures]
         data = all(fields[0] == KIND_DATA for fields in table)
         same_memory = all(len({fields[column] for fields in table}) == 1

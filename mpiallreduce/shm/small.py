@@ -115,6 +115,9 @@ class SmallPlan(ShmPlan):
                             if theirs[word] != mine:
                                 mismatch(signatures, timeout)
                     reduce()
+                except BaseException as error:  # a run left in the middle revokes
+                    node.give_up(error, label)
+                    raise
                 finally:
                     node.finished = epoch
             return direct
