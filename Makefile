@@ -102,11 +102,11 @@ WIDE_TESTS ?= tests/test_allreduce_mpi.py tests/test_collectives_mpi.py \
 # These run at WIDE_ONCE_RANKS only (4: a second power of two, 2 ranks per core): the drivers of
 # those schedules (the drop-in, non-blocking requests, the executor), since what they add over
 # -n 1-3 is how they drive a schedule, the same at any size (the schedules themselves run at 5
-# and 8 above; at 5 and 8 these cost CI about 35 s), and reproducible sums (since 2026-12-04:
-# exact by construction, their bits depend on neither the size nor the algorithm; at 5 and 8
-# they cost about 40 s; -n 3 is their odd size).
+# and 8 above), reproducible sums (exact by construction, their bits depend on neither the
+# size nor the algorithm; -n 3 is their odd size), and revocation (a give-up seen by every
+# rank: 2, 3 and 4 ranks cover one peer, an odd count and peers that hear one another).
 WIDE_ONCE ?= tests/test_comm_mpi.py tests/test_nonblocking_mpi.py tests/test_executor_mpi.py \
-	tests/test_reproducible_mpi.py
+	tests/test_reproducible_mpi.py tests/test_revoke_mpi.py
 WIDE_ONCE_RANKS ?= 4
 # the wide runs: $(call wide_runs,TESTS-WHEN-MPI_TESTS-IS-tests); its status in $$w
 wide_runs = SERIAL=0 RANKS="$(filter $(WIDE_ONCE_RANKS),$(WIDE_RANKS))" VENV="$(VENV)" \

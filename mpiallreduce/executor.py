@@ -489,8 +489,8 @@ class Plan(_PlanBase):
 
         Args:
             timeout: seconds to wait for the whole collective (default: the plan's). When it
-                passes, raise :class:`CollectiveTimeout`; the plan and its communicator are
-                unusable afterwards.
+                passes, raise :class:`CollectiveTimeout`; the communicator is revoked then
+                (:class:`CommunicatorRevoked` on every rank from then on, :mod:`._revoke`).
         """
         fast, state = self._fast, self._state
         if timeout is None and fast is not None and self.timeout is None \

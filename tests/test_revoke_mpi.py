@@ -26,7 +26,7 @@ from mpiallreduce._revoke import WatchedWait
 pytestmark = pytest.mark.mpi(min_size=2)
 
 GAVE_UP = 0
-TIMEOUT = 0.2
+TIMEOUT = 0.05
 #: seconds within which a rank waiting in a call learns that another gave up (the bound the
 #: library keeps is far below this; the machine's other jobs share its cores)
 HEAR = 1.0
