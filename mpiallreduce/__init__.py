@@ -1,6 +1,6 @@
 """mpiallreduce: allreduce algorithms over mpi4py point-to-point messages, checked against MPI."""
 
-from . import _checks, _state
+from . import _checks, _state, _threads
 from ._state import recover
 from .api import ALGORITHMS, allreduce, iallreduce, plan, start
 from .collectives import allgather, alltoall, bcast, reduce_scatter
@@ -17,6 +17,17 @@ from .topology import Topology
 from .tracing import trace
 
 serve_states(_checks.check_comm, _state.state)  # how the transport's shared_empty finds a state
+
+# below MPI_THREAD_MULTIPLE a second thread's call is refused (._threads; at MULTIPLE these are
+# the functions themselves)
+allreduce, iallreduce, plan, start = (_threads.guarded(f) for f in (allreduce, iallreduce,
+                                                                     plan, start))
+allgather, alltoall, bcast, reduce_scatter = (
+    _threads.guarded(f) for f in (allgather, alltoall, bcast, reduce_scatter))
+sum, dot, norm2, shared_empty, shared_zeros, recover = (  # noqa: A001 - mar.sum, as numpy's
+    _threads.guarded(f) for f in (sum, dot, norm2, shared_empty, shared_zeros, recover))
+_threads.guard_methods(Comm, ("Allreduce", "allreduce", "Reduce_scatter", "Reduce_scatter_block",
+                              "Allgather", "Bcast", "Alltoall"))
 
 __version__ = "0.1.0"
 

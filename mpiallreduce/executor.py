@@ -27,6 +27,7 @@ from ._binding import (  # noqa: F401 - flat and scratch_size are the package's 
     scratch_size,
 )
 from ._revoke import Watched, WatchedWait
+from ._threads import guard_methods
 from ._waiting import (  # noqa: F401 - as the package imports them from here
     BUSY_TESTS,
     MPI_CANNOT_SAY,
@@ -231,6 +232,10 @@ class _PlanBase:
             self._fast = None
             self._finalizer()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        guard_methods(cls, RUNS)  # below MPI_THREAD_MULTIPLE: refused from a second thread
+
     def __enter__(self):
         return self
 
@@ -241,6 +246,11 @@ class _PlanBase:
         op = self.reducer.name if self.reducer is not None else "none"
         return (f"<mpiallreduce.Plan {self.algorithm} count={self._result.size} "
                 f"dtype={self._result.dtype} op={op} ranks={self._nranks}>")
+
+
+#: the methods of every plan class that run MPI (:mod:`._threads` guards them)
+RUNS = ("run", "__call__", "start", "wait")
+guard_methods(_PlanBase, RUNS)
 
 
 def _untraced(kind: str, index, group):

@@ -249,3 +249,32 @@ class DLPackOnly:
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
+
+
+def time_out_or_hear(call, timeout: float, hang: float = 10.0) -> str | None:
+    """Run ``call``, which must raise CollectiveTimeout no sooner than ``timeout`` seconds (and
+    before ``hang``), or CommunicatorRevoked where another rank waiting for the same missing
+    rank timed out first (its alarm came before this rank's own deadline). Returns the
+    timeout's message, None for a rank that heard the alarm (gather, then ``timed_out``)."""
+    import time
+
+    import mpiallreduce as mar
+
+    start = time.monotonic()
+    with pytest.raises((mar.CollectiveTimeout, mar.CommunicatorRevoked)) as info:
+        call()
+    elapsed = time.monotonic() - start
+    assert elapsed < hang, f"raised after {elapsed:.2f} s: it hung"
+    if info.type is mar.CommunicatorRevoked:
+        return None
+    assert elapsed >= timeout, f"raised after {elapsed:.2f} s, before the timeout"
+    return str(info.value)
+
+
+def timed_out(messages) -> list[str]:
+    """The messages of the ranks that timed out (:func:`time_out_or_hear`, gathered): at least
+    one rank did (the others heard it)."""
+    found = [message for message in messages if message is not None]
+    assert found, messages
+    return found
+

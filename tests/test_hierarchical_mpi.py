@@ -6,11 +6,18 @@ what "auto" picks here, :mod:`mpiallreduce.shm_nodes`)."""
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
-from conftest import affine_compose, affine_maps, assert_matches_native, awkward_counts, contribution
+from conftest import (
+    affine_compose,
+    affine_maps,
+    assert_matches_native,
+    awkward_counts,
+    contribution,
+    time_out_or_hear,
+    timed_out,
+)
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -310,16 +317,12 @@ def test_shm_phase_a_missing_rank_times_out_on_every_other(name, monkeypatch):
     world.Barrier()
     message = None
     if comm.rank != 0:
-        start = time.monotonic()
-        with pytest.raises(mar.CollectiveTimeout) as info:
-            plan.run(timeout=0.5)
-        assert 0.5 <= time.monotonic() - start < 10
-        message = str(info.value)
+        message = time_out_or_hear(lambda: plan.run(timeout=0.5), 0.5)
         with pytest.raises(mar.CommunicatorRevoked, match="the communicator is revoked"):
             plan.run()
     messages = world.allgather(message)
-    assert all("no answer from rank(s)" in m for m in messages[1:]), messages
-    assert "no answer from rank(s) 0 in step 0" in messages[1], messages
+    assert all("no answer from rank(s)" in m for m in timed_out(messages)), messages
+    assert messages[1] is None or "no answer from rank(s) 0 in step 0" in messages[1], messages
     plan.free()
     comm.Free()
 

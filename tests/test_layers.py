@@ -35,7 +35,8 @@ LAYERS = {
     "reproducible._exact_numba": "core", "reproducible._exact_format": "core",
     # transport: moves bytes (point-to-point plans, the node's shared memory), and the hooks
     # the layers above plug in (_hooks); non-blocking requests and their progress
-    "executor": "transport", "native_plan": "transport", "_revoke": "transport", "_binding": "transport",
+    "executor": "transport", "native_plan": "transport", "_binding": "transport",
+    "_revoke": "transport", "_threads": "transport",
     "_hooks": "transport", "shm": "transport", "shm_nodes": "transport", "nonblocking.requests": "transport",
     "nonblocking.native": "transport", "nonblocking.progress": "transport",
     # choice: what auto picks; the model predicts from schedules and machine files (its

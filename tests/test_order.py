@@ -2,7 +2,8 @@
 
 Without a timeout they wait, as mis-ordered MPI collectives do (both ranks report reaching the
 wait, then the job stays silent and alive for a few seconds and is killed); with one, every
-rank raises CollectiveTimeout naming the likely cause. Before slots per plan, rank 0 got
+rank raises naming the likely cause (CollectiveTimeout, or CommunicatorRevoked carrying the
+reason of the rank that timed out first). Before slots per plan, rank 0 got
 A=111, B=102 and rank 1 A=102, B=111.
 """
 

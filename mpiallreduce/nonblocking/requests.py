@@ -15,6 +15,7 @@ MPI's own collectives' work is :class:`.native._NativeWork`; a schedule's run is
 from __future__ import annotations
 
 from .. import _form
+from .._threads import GUARDED, guard_methods
 from .._waiting import check_timeout, deadline_of
 from ..errors import CollectiveTimeout
 
@@ -106,6 +107,10 @@ class Request(_form.compiled.RequestFields if _form.compiled is not None else ob
 
 if _form.compiled is not None:
     del Request.wait  # the compiled wait (RequestFields.wait), which hands the rest to _wait
+    if GUARDED:  # (its own, for guard_methods to wrap)
+        Request.wait = _form.compiled.RequestFields.wait
+# below MPI_THREAD_MULTIPLE a second thread's wait or test is refused (.._threads)
+guard_methods(Request, ("wait", "test"))
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

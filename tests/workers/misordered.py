@@ -3,7 +3,7 @@
 Run as ``mpirun -n 2 python -m mpi4py misordered.py ALGORITHM [TIMEOUT]``. Prints one line per
 rank: ``WAITING rank R`` once its plans are built and it starts running them, then
 ``RESULT a=... b=...`` if the runs returned (the bug this guards against: swapped sums), or
-``TIMEOUT <message>``. Without a timeout the ranks wait, as mis-ordered MPI collectives do,
+``TIMEOUT <message>`` (a timeout, or the revocation by the rank that timed out first). Without a timeout the ranks wait, as mis-ordered MPI collectives do,
 and the caller kills the job.
 """
 
@@ -28,7 +28,9 @@ def main():
     try:
         for plan in plans:
             plan.run(timeout=timeout)
-    except mar.CollectiveTimeout as exc:
+    except (mar.CollectiveTimeout, mar.CommunicatorRevoked) as exc:
+        # (CommunicatorRevoked: the other rank timed out first, and this one heard it; its
+        # message holds the other's reason)
         print(f"TIMEOUT rank {comm.rank}: {exc}", flush=True)
         return
     print(f"RESULT rank {comm.rank}: a={plan_a.recvbuf[0]} b={plan_b.recvbuf[0]}", flush=True)
