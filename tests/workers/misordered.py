@@ -3,8 +3,9 @@
 Run as ``mpirun -n 2 python -m mpi4py misordered.py ALGORITHM [TIMEOUT]``. Prints one line per
 rank: ``WAITING rank R`` once its plans are built and it starts running them, then
 ``RESULT a=... b=...`` if the runs returned (the bug this guards against: swapped sums), or
-``TIMEOUT <message>`` (a timeout, or the revocation by the rank that timed out first). Without a timeout the ranks wait, as mis-ordered MPI collectives do,
-and the caller kills the job.
+``TIMEOUT <message>`` (a timeout, or the revocation by the rank that timed out first).
+Without a timeout the ranks wait, as mis-ordered MPI collectives do, and the caller kills the
+job.
 """
 
 import sys
