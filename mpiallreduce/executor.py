@@ -517,8 +517,9 @@ class Plan(_PlanBase):
                 if deadline is None:
                     if self._alarm is None:
                         MPI.Request.Waitall(requests)
-                    else:
-                        self._waiter(requests, bound, True)()
+                    else:  # (a list per step and run: the wait is not kept)
+                        WatchedWait(partial(MPI.Request.Testall, requests), requests,
+                                    self._alarm, partial(self.heard, requests, bound))()
                 elif not wait_until(self._ready(requests, bound), deadline):
                     self.expire(requests, bound, timeout)
             if self._alarm is not None:

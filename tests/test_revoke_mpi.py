@@ -296,3 +296,23 @@ def test_the_revocation_names_who_gave_up_and_why():
     mar.recover(comm)
     assert np.all(mar.allreduce(x, comm=comm, algorithm="ring") == comm.size)
     comm.Free()
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "native"])
+def test_gradient_synchronisation_after_a_give_up_raises(algorithm):
+    """GradSync runs plans and requests on the communicator: after GAVE_UP gave up on a call
+    there, the next synchronisation raises CommunicatorRevoked on every rank."""
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    grads = [np.full(100, comm.rank + 1.0), np.full(3000, 2.0 * comm.rank)]
+    sync = mar.GradSync(grads, comm, op=MPI.SUM, algorithm=algorithm, bucket_bytes=1024)
+    result = sync.synchronize()
+    assert np.all(result[0] == comm.size * (comm.size + 1) / 2)
+    if comm.rank == GAVE_UP:
+        with pytest.raises(mar.CollectiveTimeout):
+            mar.allreduce(np.ones(4), comm=comm, algorithm="ring", timeout=TIMEOUT)
+    world.Barrier()
+    outcomes = world.allgather(_outcome(lambda timeout: sync.synchronize(), HANG))
+    comm.Free()
+    for rank, (what, _, detail) in enumerate(outcomes):
+        assert what == "revoked" and detail == GAVE_UP, (rank, what, detail)

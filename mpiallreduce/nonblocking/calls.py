@@ -135,15 +135,18 @@ class _Started(_plans.BoundCall):
                 request = self.iallreduce(send, recv, op)
                 work = self.work
                 if work is None:
-                    work = _NativeWork([request], None, None, self.fail, self.where, self)
+                    work = _NativeWork([request], None, None, self.fail, self.where, self,
+                                       self.state)
                 else:
                     self.work = None
                     work.requests[0] = request
-                    work.join = request.Wait
+                    if work.state is None:  # (a watched join reads the list itself)
+                        work.join = request.Wait
                 return Request(self.recv, work, work.back)
             deadline = deadline_of(timeout)
             requests = [self.iallreduce(*args) for args in pieces]
-            work = _NativeWork(requests, deadline, timeout, self.fail, self.where, self)
+            work = _NativeWork(requests, deadline, timeout, self.fail, self.where, self,
+                               self.state)
             return Request(self.recv, work, self.finish if self.average else None)
         plan = self.plan
         if self.lean is None:  # no steps of its own: runs whole now, in call order
@@ -201,7 +204,7 @@ def start(plan, timeout: float | None = None) -> Request:
         work = plan._work
         if work is None:  # the same requests every start, no deadline: one work object
             work = plan._work = _NativeWork(plan._persistent, None, None, plan.fail, plan.where,
-                                            plan)
+                                            plan, plan._state)
         plan._persistent[0].Start()
         request = Request(plan.recvbuf, work, plan.run_ended)
         plan._in_flight = request
@@ -226,7 +229,8 @@ def start(plan, timeout: float | None = None) -> Request:
         MPI.Prequest.Startall(requests)
         deadline = deadline_of(timeout)
         request = Request(plan.recvbuf, _NativeWork(requests, deadline, timeout, plan.fail,
-                                                    plan.where, plan), plan.run_ended)
+                                                    plan.where, plan, plan._state),
+                          plan.run_ended)
     else:
         request = _schedule_request(plan, timeout, owned=False, finish=plan.run_ended)
     plan._in_flight = request

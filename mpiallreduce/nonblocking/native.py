@@ -9,7 +9,8 @@ from functools import partial
 
 from mpi4py import MPI
 
-from .._waiting import MPI_CANNOT_SAY, deadline_of, poll
+from .._revoke import Watched, WatchedWait
+from .._waiting import MPI_CANNOT_SAY, deadline_of, poll, tested, wait_until
 from .requests import _earliest
 
 #: native requests dropped in flight, with their buffers (see _NativeWork.__del__)
@@ -38,22 +39,33 @@ class _NativeWork:
     """MPI requests: tested and waited in the caller's thread, polled when a deadline is set.
 
     ``deadline`` (time.monotonic) is the run's own, from ``timeout=``: past it, ``fail(reason,
-    requests)`` marks the communicator unusable and raises.
+    requests)`` revokes the communicator and raises. ``state``: the communicator's, whose
+    alarm (:mod:`.._revoke`) every wait hears: another rank's give-up raises
+    CommunicatorRevoked instead of waiting for a collective it will never join.
     """
 
-    __slots__ = ("requests", "deadline", "timeout", "fail", "where", "keep", "join")
+    __slots__ = ("requests", "deadline", "timeout", "fail", "where", "keep", "join", "state")
 
-    def __init__(self, requests: list, deadline: float | None, timeout, fail, where, keep):
+    def __init__(self, requests: list, deadline: float | None, timeout, fail, where, keep,
+                 state=None):
         self.requests, self.deadline, self.timeout, self.fail = requests, deadline, timeout, fail
         self.where = where  # names the call in a timeout message (a callable: built on failure)
         self.keep = keep  # the buffers MPI reads and writes until the requests complete
-        # join(): complete, or raise at the deadline
+        self.state = state if state is not None and state.alarm is not None else None
+        # join(): complete, or raise at the deadline (or when the alarm comes)
         if deadline is not None:
             self.join = self._wait_for_deadline
+        elif self.state is not None:  # (reads self.requests at each wait: a reused work's)
+            self.join = WatchedWait(partial(MPI.Request.Testall, requests), requests,
+                                    self.state.alarm, self._heard)
         elif len(requests) == 1:
             self.join = requests[0].Wait
         else:
             self.join = partial(MPI.Request.Waitall, requests)
+
+    def _heard(self) -> None:
+        """Another rank gave up while these requests waited: revoke here too, and raise."""
+        self.state.hear(self.state.alarm.heard, self.where(), self.requests, (self.keep,))
 
     def _wait_for_deadline(self) -> None:
         self.complete(None)
@@ -83,6 +95,8 @@ class _NativeWork:
     def poll(self) -> bool:
         if MPI.Request.Testall(self.requests):
             return True
+        if self.state is not None and self.state.alarm.test() is not None:
+            self._heard()
         self._check_deadline()
         return False
 
@@ -91,7 +105,10 @@ class _NativeWork:
         if stop is None:
             MPI.Request.Waitall(self.requests)
             return True
-        if poll(self.requests, stop):  # (the one wait loop: _waiting.wait_until)
+        ready = tested(self.requests)
+        if self.state is not None:
+            ready = Watched(ready, self.state.alarm, self._heard)
+        if wait_until(ready, stop):  # (the one wait loop)
             return True
         self._check_deadline()
         return False

@@ -13,9 +13,11 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from functools import partial
 
 from mpi4py import MPI
 
+from .._revoke import WatchedWait
 from .._waiting import deadline_of, unanswered, wait_until
 from .requests import Request, _earliest
 
@@ -133,6 +135,7 @@ class _Run(Request):
         engine = self.engine
         stop = _earliest(until, self.deadline)
         lock, runs = engine.lock, engine.runs
+        alarm = self.plan._alarm  # (._revoke: another rank's give-up ends the wait)
 
         def finished() -> bool:
             """Advance the runs if the lock is free (else the thread is advancing them: look
@@ -142,15 +145,21 @@ class _Run(Request):
             try:
                 if stop is None:
                     # alone and without deadline: block in MPI step by step, as a blocking run
-                    # does (runs holds this run until it ends)
+                    # does (runs holds this run until it ends), hearing the alarm
                     while len(runs) == 1 and runs[0] is self:
                         if self.rest is not None:  # lean, untouched: finished by wait()
                             break
                         if self.requests is not None:
-                            MPI.Request.Waitall(self.requests)
+                            if alarm is None:
+                                MPI.Request.Waitall(self.requests)
+                            else:
+                                WatchedWait(partial(MPI.Request.Testall, self.requests),
+                                            self.requests, alarm, self._heard)()
                         self.advance()
                 if not self.finished:
                     engine.progress()
+                    if not self.finished and alarm is not None and alarm.test() is not None:
+                        self._heard()
                 return self.finished
             finally:
                 lock.release()
@@ -181,6 +190,15 @@ class _Run(Request):
                     f"messages have just arrived")
         return (f"{plan._label} on rank {plan.comm.Get_rank()} waits in step {index}: "
                 f"{unanswered(index, not_sent, not_received, 'the matching call', slow=True)}")
+
+    def _heard(self) -> None:
+        """Another rank gave up (its alarm came): abandon the run, revoke here too and raise
+        CommunicatorRevoked (engine lock held, caller's thread)."""
+        self.engine.runs.remove(self)
+        self.finished = True
+        if self.steps is not None:
+            self.steps.close()
+        self.plan.heard(self.requests or [], self.bound)
 
     def _check_deadline(self) -> None:
         """Past the run's own deadline: abandon it (engine lock held, caller's thread)."""
