@@ -120,32 +120,35 @@ class Alarm:
 
 
 class WatchedWait:
-    """The wait of a step without deadline that also hears the alarm: ``ready()`` once (the
-    step's requests tested: the usual case, done or about to be), then MPI's ``Waitany`` over
-    ``requests`` and the alarm's receive (blocking, as ``Wait`` does) until ``ready()``, or
-    the alarm came: then ``on_alarm()``, which raises. ``requests`` may be a list a run
-    refills (a step posted afresh): it is read at each wait."""
+    """The wait of a step without deadline that also hears the alarm: each of ``requests``
+    tested (the usual case: done, or about to be), then MPI's ``Waitany`` over those still
+    pending and the alarm's receive (blocking in MPI, as ``Wait`` does) until each completed,
+    or the alarm came: then ``on_alarm()``, which raises. ``requests`` may be a list a run
+    refills (a step posted afresh): it is read at each wait. A request ``Waitany`` completed
+    is never tested again (MPICH's ``Testall`` fails on a persistent collective request that
+    ``Waitany`` completed)."""
 
-    __slots__ = ("ready", "requests", "alarm", "on_alarm", "status")
+    __slots__ = ("requests", "alarm", "on_alarm", "status")
 
-    def __init__(self, ready, requests, alarm: Alarm, on_alarm):
-        self.ready, self.requests = ready, requests
-        self.alarm, self.on_alarm = alarm, on_alarm
+    def __init__(self, requests, alarm: Alarm, on_alarm):
+        self.requests, self.alarm, self.on_alarm = requests, alarm, on_alarm
         self.status = MPI.Status()
 
     def __call__(self) -> None:
-        ready = self.ready
-        if ready():
+        pending = [request for request in self.requests if not request.Test()]
+        if not pending:
             return
-        watched = [*self.requests, self.alarm.request]
-        alarm, waitany = len(watched) - 1, MPI.Request.Waitany
-        while True:
-            if waitany(watched, self.status) == alarm:
+        left = alarm = len(pending)
+        watched, waitany = [*pending, self.alarm.request], MPI.Request.Waitany
+        while left:
+            index = waitany(watched, self.status)
+            if index == alarm:
                 self.alarm.landed(self.status)
                 self.on_alarm()
                 raise AssertionError("on_alarm() must raise")  # pragma: no cover
-            if ready():
+            if index == MPI.UNDEFINED:  # (every request complete, the alarm heard before)
                 return
+            left -= 1
 
 
 class Watched:

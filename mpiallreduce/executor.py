@@ -373,7 +373,7 @@ class Plan(_PlanBase):
             if timed:
                 calls.append(polled_step(self, self._ready(requests, bound), requests, bound))
             elif self._alarm is not None:
-                calls += phase("wait", bound.index, [self._waiter(requests, bound, posted)])
+                calls += phase("wait", bound.index, [self._waiter(requests, bound)])
             elif posted:
                 calls += phase("wait", bound.index, [partial(waitall, requests)])
             elif len(requests) <= SINGLE_REQUESTS:
@@ -392,15 +392,14 @@ class Plan(_PlanBase):
             self._posted = len(calls)
         return calls
 
-    def _waiter(self, requests: list, bound: _BoundStep, posted: bool):
+    def _waiter(self, requests: list, bound: _BoundStep):
         """A step's wait without deadline that hears the alarm (:class:`._revoke.WatchedWait`;
-        ``posted``: the run posts the step afresh into ``requests``), one per list of
+        ``requests`` may be a list the run posts the step afresh into), one per list of
         requests: every flat program of the plan holds the same."""
         waiter = self._waiters.get(id(requests))
         if waiter is None or waiter.requests is not requests:
-            ready = partial(MPI.Request.Testall, requests) if posted else tested(requests)
             waiter = self._waiters[id(requests)] = WatchedWait(
-                ready, requests, self._alarm, partial(self.heard, requests, bound))
+                requests, self._alarm, partial(self.heard, requests, bound))
         return waiter
 
     def _ready(self, requests: list, bound: _BoundStep | None):
@@ -518,8 +517,8 @@ class Plan(_PlanBase):
                     if self._alarm is None:
                         MPI.Request.Waitall(requests)
                     else:  # (a list per step and run: the wait is not kept)
-                        WatchedWait(partial(MPI.Request.Testall, requests), requests,
-                                    self._alarm, partial(self.heard, requests, bound))()
+                        WatchedWait(requests, self._alarm,
+                                    partial(self.heard, requests, bound))()
                 elif not wait_until(self._ready(requests, bound), deadline):
                     self.expire(requests, bound, timeout)
             if self._alarm is not None:

@@ -141,7 +141,7 @@ class NodesPlan(ShmPlan):
         self._signed = (signed, signed)
         self._peer_digests = tuple(tuple((node.headers[q], lo + 1) for q in node.peers)
                                    for lo, _ in node.areas)
-        self._segments = node.segments
+        self._segments, self._capacity = node.segments, node.capacity  # (as ShmPlan's)
         lo, hi = phase.span
         # across nodes: the point-to-point steps on this rank's span, without AVG's division
         # (the run divides once, after the cross phase)

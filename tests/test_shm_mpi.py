@@ -868,3 +868,24 @@ def test_a_mismatch_seen_while_waiting_for_a_late_rank_raises_on_every_rank():
         assert_matches_native(comm, y, mar.allreduce(y, comm=comm, algorithm="shm"), MPI.SUM)
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_chunked_plan_bound_before_the_window_grows_still_runs():
+    """The large regime binds each parity at its first run: a plan made before a larger call
+    grew the node's window slices the window it was made on, not the new one (it raised
+    ValueError, offset past the buffer, and so revoked the communicator)."""
+    comm = MPI.COMM_WORLD.Dup()  # a window of its own, at its smallest
+    x = contribution(comm, 1 << 15, "float64")  # 256 KiB: the large regime, a 512 KiB window
+    out = np.empty_like(x)
+    plan = mar.plan(x, out, comm=comm, algorithm="shm")
+    node = plan._node
+    before = node.capacity
+    big = contribution(comm, 1 << 19, "float64")  # 4 MiB: two 512 KiB chunks a slot
+    mar.allreduce(big, comm=comm, algorithm="shm")
+    assert node.capacity > before
+    for _ in range(2):  # both parities, each bound now
+        plan.run()
+        assert_matches_native(comm, x, out, MPI.SUM)
+    plan.free()
+    comm.Free()

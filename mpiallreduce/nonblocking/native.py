@@ -56,8 +56,7 @@ class _NativeWork:
         if deadline is not None:
             self.join = self._wait_for_deadline
         elif self.state is not None:  # (reads self.requests at each wait: a reused work's)
-            self.join = WatchedWait(partial(MPI.Request.Testall, requests), requests,
-                                    self.state.alarm, self._heard)
+            self.join = WatchedWait(requests, self.state.alarm, self._heard)
         elif len(requests) == 1:
             self.join = requests[0].Wait
         else:

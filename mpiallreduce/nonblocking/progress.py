@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from functools import partial
 
 from mpi4py import MPI
 
@@ -153,8 +152,7 @@ class _Run(Request):
                             if alarm is None:
                                 MPI.Request.Waitall(self.requests)
                             else:
-                                WatchedWait(partial(MPI.Request.Testall, self.requests),
-                                            self.requests, alarm, self._heard)()
+                                WatchedWait(self.requests, alarm, self._heard)()
                         self.advance()
                 if not self.finished:
                     engine.progress()

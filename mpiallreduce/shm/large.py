@@ -58,7 +58,7 @@ class ChunkedPlan(ShmPlan):
         rank, p, count, dtype = node.rank, node.size, result.size, result.dtype
         per = max(1, chunk_bytes(result.nbytes) // dtype.itemsize)  # elements per chunk
         stride = round_up(per * dtype.itemsize)
-        base = parity * (node.capacity // 2)
+        base = parity * (self._capacity // 2)
         peer_inputs = (input_block.peers(input_at, dtype, count) if input_block is not None
                        else None)
         # every rank's two chunk buffers, as long as their longest chunk (the slot holds no

@@ -162,7 +162,10 @@ class ShmPlan(_PlanBase):
         self._signed = tuple(signed)
         self._peer_digests = tuple(tuple((node.headers[q], lo + 1) for q in node.peers)
                                    for lo, _ in node.areas)
-        self._segments = node.segments
+        # the data window this plan is bound to, and its bytes per rank: a later, larger call
+        # grows the node's window (a new one), and a regime that binds a parity at its first
+        # run must still slice this one
+        self._segments, self._capacity = node.segments, node.capacity
         input_block, input_at = ((recv_block, recv_at) if call.send is None
                                  else (send_block, send_at))
         self._bind(source, input_block, input_at, recv_block, recv_at)
@@ -193,7 +196,7 @@ class ShmPlan(_PlanBase):
     def _slots(self, parity: int) -> list[np.ndarray]:
         """Every rank's slot of this parity, flat views of the data window."""
         result = self._result
-        half = self._node.capacity // 2
+        half = self._capacity // 2
         return [np.frombuffer(segment, dtype=result.dtype, count=result.size,
                               offset=parity * half)
                 for segment in self._segments]
