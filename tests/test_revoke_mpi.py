@@ -13,6 +13,7 @@ sum, silently. Each rank's outcome is gathered before anything is asserted.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import numpy as np
@@ -185,13 +186,19 @@ def test_an_interrupt_in_a_wait_revokes(algorithm):
         def interrupt(signum, frame):
             raise KeyboardInterrupt
         previous = signal.signal(signal.SIGALRM, interrupt)
-        signal.setitimer(signal.ITIMER_REAL, TIMEOUT)
+        # sent to the main thread alone: a process-wide timer's signal may land in any thread,
+        # MPI's own or the progress thread, in the middle of a system call there (MPICH then
+        # crashed later, in another test)
+        timer = threading.Timer(TIMEOUT, signal.pthread_kill,
+                                (threading.main_thread().ident, signal.SIGALRM))
+        timer.start()
         try:
             mar.allreduce(x, out, comm=comm, algorithm=algorithm, check=False, timeout=HANG)
         except KeyboardInterrupt:
             interrupted = "KeyboardInterrupt"
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            timer.cancel()
+            timer.join()
             signal.signal(signal.SIGALRM, previous)
     world.Barrier()
     outcome = _outcome(lambda timeout: mar.allreduce(x, out, comm=comm, algorithm=algorithm,
