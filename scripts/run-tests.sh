@@ -16,7 +16,6 @@ SERIAL_ALONE=${SERIAL_ALONE:-}        # of those, files run one test at a time a
 SERIAL_WORKERS=${SERIAL_WORKERS:-2}   # pytest-xdist workers for the rest (1: no xdist)
 MPI_TESTS=${MPI_TESTS:-tests}         # what each MPI run collects
 MPI_SELECT=${MPI_SELECT:-}            # a pytest -k expression for the MPI runs (empty: all)
-MPI_EXCLUDE=${MPI_EXCLUDE:-}          # files left out of the MPI runs (run elsewhere)
 MPI_TIMEOUT=${MPI_TIMEOUT:-600}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
@@ -72,9 +71,6 @@ if [ "$MPI_TESTS" = tests ]; then
     # 2 cores collecting the whole directory cost 21 s against 15 s for these
     MPI_TESTS=$(grep -l "mark\.mpi" tests/test_*.py | tr '\n' ' ')
 fi
-for f in ${MPI_EXCLUDE:-}; do  # files the caller runs in a job of their own
-    MPI_TESTS=$(tr ' ' '\n' <<<"$MPI_TESTS" | grep -vx "$f" | tr '\n' ' ')
-done
 
 for n in $RANKS; do
     echo "=== MPI tests, -n $n"
