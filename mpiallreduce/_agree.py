@@ -25,9 +25,9 @@ from array import array
 from mpi4py import MPI
 
 from ._checks import COLLECTIVE_ALGORITHMS, check_comm
-from ._revoke import Watched
+from ._revoke import ready_or_heard
 from ._state import state as comm_state
-from ._waiting import MPI_CANNOT_SAY, check_timeout, deadline_of, tested, wait_until
+from ._waiting import MPI_CANNOT_SAY, check_timeout, deadline_of, wait_until
 from .errors import CollectiveTimeout
 from .shm import CHECK_KEYVAL, KIND_CHECK, signature_words
 from .shm.protocol import UNKNOWN, differs
@@ -86,10 +86,9 @@ def agree(checker: MPI.Intracomm, what: str, signature: Signature, error: Except
             checker.Allreduce(signature.packed, signature.result, MPI.MAX)
         else:
             requests = [checker.Iallreduce(signature.packed, signature.result, MPI.MAX)]
-            ready = tested(requests)
-            if state is not None and state.alarm is not None:
-                ready = Watched(ready, state.alarm, lambda: state.hear(
-                    state.alarm.heard, where, requests, (signature,)))
+            ready = ready_or_heard(requests, None if state is None else state.alarm,
+                                   lambda: state.hear(state.alarm.heard, where, requests,
+                                                      (signature,)))
             if not wait_until(ready, deadline_of(timeout)):
                 (state.fail if state is not None else _raise)(
                     f"{where}: the argument check did not complete within {timeout:g} s; some "

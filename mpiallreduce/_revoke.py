@@ -29,6 +29,7 @@ import time
 
 from mpi4py import MPI
 
+from ._waiting import tested
 from .errors import CommunicatorRevoked
 
 #: the alarm's tag on the checker duplicate (which carries only collectives besides it).
@@ -166,3 +167,11 @@ class Watched:
         if self.alarm.test() is not None:
             self.on_alarm()
         return False
+
+
+def ready_or_heard(requests, alarm: Alarm | None, on_alarm):
+    """``ready()`` of a polled wait for ``requests`` (:func:`.._waiting.tested`) that also
+    hears ``alarm`` (:class:`Watched`), where there is one."""
+    ready = tested(requests)
+    return ready if alarm is None else Watched(ready, alarm, on_alarm)
+

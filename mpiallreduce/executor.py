@@ -26,7 +26,7 @@ from ._binding import (  # noqa: F401 - flat and scratch_size are the package's 
     flat,
     scratch_size,
 )
-from ._revoke import Watched, WatchedWait
+from ._revoke import WatchedWait, ready_or_heard
 from ._threads import guard_methods
 from ._waiting import (  # noqa: F401 - as the package imports them from here
     BUSY_TESTS,
@@ -404,10 +404,7 @@ class Plan(_PlanBase):
 
     def _ready(self, requests: list, bound: _BoundStep | None):
         """``ready()`` of a step's polled wait: its requests tested, and the alarm heard."""
-        ready = tested(requests)
-        if self._alarm is None:
-            return ready
-        return Watched(ready, self._alarm, partial(self.heard, requests, bound))
+        return ready_or_heard(requests, self._alarm, partial(self.heard, requests, bound))
 
     @property
     def nbytes(self) -> int:

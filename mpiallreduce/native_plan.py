@@ -9,8 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _hooks
-from ._revoke import Watched
-from ._waiting import MPI_CANNOT_SAY, tested, wait_until
+from ._revoke import ready_or_heard
+from ._waiting import MPI_CANNOT_SAY, wait_until
 from .executor import MAX_MESSAGE, _PlanBase, flat
 from .ops import Reducer
 from .partition import segments
@@ -90,9 +90,7 @@ class NativePlan(_PlanBase):
                 comm.Allreduce(send, recv, op)
                 continue
             requests = [comm.Iallreduce(send, recv, op)]
-            ready = tested(requests)
-            if self._alarm is not None:
-                ready = Watched(ready, self._alarm, partial(self.heard, requests))
+            ready = ready_or_heard(requests, self._alarm, partial(self.heard, requests))
             if not wait_until(ready, deadline):
                 self.fail(f"native allreduce on rank {comm.Get_rank()}: not complete within "
                           f"{timeout:g} s (a rank did not make this call, or ranks run plans or "

@@ -298,12 +298,19 @@ def soak_calls(comm: MPI.Intracomm, calls: int, rng: np.random.Generator, inputs
         if problem:
             problems.append(problem)
         if done % every == 0 or done == calls:
-            found = gather_problems(comm, problems)
-            if report is not None and done != calls:
-                report(f"calls {done}/{calls}")
+            found = checkpoint(comm, problems, done, calls, "calls", report)
             if found:
                 return found
     return gather_problems(comm, problems)
+
+
+def checkpoint(comm: MPI.Intracomm, problems: list[str], done: int, total: int, what: str,
+               report) -> list[str]:
+    """Every rank's problems so far (collective), after a progress line unless at the end."""
+    found = gather_problems(comm, problems)
+    if report is not None and done != total:
+        report(f"{what} {done}/{total}")
+    return found
 
 
 def derived(comm: MPI.Intracomm, index: int) -> MPI.Intracomm:
@@ -335,9 +342,7 @@ def soak_comms(comm: MPI.Intracomm, count: int, rng: np.random.Generator, inputs
                 problems.append(f"communicator {done}: {problem}")
         sub.Free()
         if done % every == 0 or done == count:
-            found = gather_problems(comm, problems)
-            if report is not None and done != count:
-                report(f"communicators {done}/{count}")
+            found = checkpoint(comm, problems, done, count, "communicators", report)
             if found:
                 return found
     return gather_problems(comm, problems)

@@ -9,8 +9,8 @@ from functools import partial
 
 from mpi4py import MPI
 
-from .._revoke import Watched, WatchedWait
-from .._waiting import MPI_CANNOT_SAY, deadline_of, poll, tested, wait_until
+from .._revoke import WatchedWait, ready_or_heard
+from .._waiting import MPI_CANNOT_SAY, deadline_of, poll, wait_until
 from .requests import _earliest
 
 #: native requests dropped in flight, with their buffers (see _NativeWork.__del__)
@@ -104,9 +104,8 @@ class _NativeWork:
         if stop is None:
             MPI.Request.Waitall(self.requests)
             return True
-        ready = tested(self.requests)
-        if self.state is not None:
-            ready = Watched(ready, self.state.alarm, self._heard)
+        ready = ready_or_heard(self.requests, None if self.state is None else self.state.alarm,
+                               self._heard)
         if wait_until(ready, stop):  # (the one wait loop)
             return True
         self._check_deadline()
