@@ -43,7 +43,7 @@ stages are the stress test (every regime under random stalls, ``tests/test_shm_s
 and a cross-section of ``tests/test_shm_mpi.py``.
 
 A run on this project's 2-core VM, with the survivors explained, is in
-``scripts/mutation-vm.txt``. It prints one line per mutant (``KILLED``/``SURVIVED``, by which
+``docs/results/mutation-vm.txt``. It prints one line per mutant (``KILLED``/``SURVIVED``, by which
 stage, seconds) and the kill fraction per file and overall; survivors are listed with their
 line, to be explained or killed by a new test.
 """

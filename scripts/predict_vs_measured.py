@@ -4,10 +4,10 @@ calibration, and print predicted / measured per algorithm and size, the share of
 +-25% and +-35% per rank count and mode (out of place, in place), and (``--plot``) predicted
 against measured.
 
-    scripts/predict_vs_measured.py --machine scripts/machine-vm.json --sizes 8:64K --plot pvm.png
+    scripts/predict_vs_measured.py --machine docs/results/machine-vm.json --sizes 8:64K --plot pvm.png
     scripts/predict_vs_measured.py --measured bench.json --plot pvm.png   # saved bench rows
-    scripts/predict_vs_measured.py --machine scripts/machine-quiet.json \
-        --measured scripts/bench-n2-out.json --measured scripts/bench-n2-in.json
+    scripts/predict_vs_measured.py --machine docs/results/machine-quiet.json \
+        --measured docs/results/bench-n2-out.json --measured docs/results/bench-n2-in.json
     scripts/predict_vs_measured.py --calibrate machine.json --ranks 2 --modes out,in \
         --sizes 8:64M --repeat 3     # calibrate, then the bench, back to back (quiet machine)
     scripts/predict_vs_measured.py --calibrate machine.json --in-job --modes out,in \
@@ -514,7 +514,7 @@ def main(argv=None, out=None) -> int:
                         help="hierarchical and cascade's intra-node phase as the bench ran it "
                              "(default auto, as the library runs them; p2p for rows measured "
                              "before it could run over shared memory, e.g. the stored "
-                             "scripts/bench-n2-*.json)")
+                             "docs/results/bench-n2-*.json)")
     parser.add_argument("--in-job", action="store_true",
                         help="with --calibrate: calibrate and run the bench in one mpirun job "
                              "(-n 2 only), not one job each")

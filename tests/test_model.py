@@ -680,7 +680,7 @@ def test_new_machine_fields_round_trip_and_old_files_load(tmp_path):
     assert again.gamma_curve == rich.gamma_curve and again.copy_curve == rich.copy_curve
     assert again.node_curve == rich.node_curve
     # a machine file written before these fields: no curves, no request or combine terms
-    old = json.loads((pathlib.Path(__file__).parent.parent / "scripts" / "machine-vm.json")
+    old = json.loads((pathlib.Path(__file__).parent.parent / "docs" / "results" / "machine-vm.json")
                      .read_text())
     assert "request" not in old and "curve" not in old["intra"]
     machine = Machine.from_dict(old)

@@ -22,7 +22,7 @@ from mpiallreduce.topology import Topology
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "model_golden.json"
-SCRIPTS = HERE.parent / "scripts"
+SCRIPTS = HERE.parent / "docs" / "results"
 
 #: (label, machine file or None for the built-in one)
 MACHINES = (("built-in", None), ("calibrated 2026-12-02 01:00", "machine-20261202-0100.json"),

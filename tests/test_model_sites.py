@@ -11,7 +11,7 @@ import pytest
 from mpiallreduce.model import Machine, predict
 from mpiallreduce.topology import Topology
 
-SITES = Machine.load(Path(__file__).resolve().parent.parent / "scripts" / "machine-sites.json")
+SITES = Machine.load(Path(__file__).resolve().parent.parent / "docs" / "results" / "machine-sites.json")
 
 
 @pytest.mark.parametrize("name", ["ring", "ring_segmented"])

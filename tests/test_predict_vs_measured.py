@@ -100,7 +100,7 @@ def _write(path, data) -> str:
 
 
 def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
-    """Issue 38, item 3, on a stored job of this VM (scripts/machine-20261204-1649.json and its
+    """Issue 38, item 3, on a stored job of this VM (docs/results/machine-20261204-1649.json and its
     two benches, calibrated and measured in one mpirun -n 2 job): the model refitted from the
     job's own measurements puts at least 85% of the ratios between algorithms within +-25% of
     the measured ones and picks within 10% of the measured best in at least 90% of the rows.
@@ -111,7 +111,7 @@ def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
     from mpiallreduce.model import Machine
     from mpiallreduce.model.fit import machine_from
 
-    root = Path(__file__).resolve().parent.parent / "scripts"
+    root = Path(__file__).resolve().parent.parent / "docs" / "results"
     stored = Machine.load(str(root / "machine-20261204-1649.json"))
     machine = machine_from(stored.info["measurements"])  # the model as it is now
     rows = script.load_measured([str(root / f"bench-n2-20261204-1649-{mode}.json")

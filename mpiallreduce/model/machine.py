@@ -444,7 +444,7 @@ class Machine:
 NETWORK_100G = Link(alpha=2.0e-6, beta=8.0e-11)
 
 #: built-in machine: intra-node numbers from ``mpirun -n 2 python -m mpi4py -m
-#: mpiallreduce.model calibrate`` on the 2-core VM of docs/performance.md (scripts/machine-vm.json),
+#: mpiallreduce.model calibrate`` on the 2-core VM of docs/performance.md (docs/results/machine-vm.json),
 #: a 100 Gb/s network between nodes.
 DEFAULT_MACHINE = Machine(
     intra=Link(alpha=1.50e-6, beta=1.43e-10),
@@ -459,12 +459,12 @@ DEFAULT_MACHINE = Machine(
     call=0.0,
     copy=2.71e-10,
     # native measured less native modelled at 2 ranks, median over 8 B..1 KiB, in the quiet
-    # VM's run of scripts/predict_vs_measured-vm.txt (2026-11-30): 0.75-1.24 µs
+    # VM's run of docs/results/predict_vs_measured-vm.txt (2026-11-30): 0.75-1.24 µs
     native_call=0.94e-6,
     # the shared-memory transport (shm, and the intra-node phase of hierarchical and cascade):
     # its per-call terms and peer reads as fitted to the quiet 2-core VM's bench of 2026-12-01
-    # (scripts/machine-fitted-quiet.json, docs/model.md), the node's bandwidth as that VM's
-    # idle calibration measured it (scripts/machine-idle-20261201.json: every rank copying
+    # (docs/results/machine-fitted-quiet.json, docs/model.md), the node's bandwidth as that VM's
+    # idle calibration measured it (docs/results/machine-idle-20261201.json: every rank copying
     # 64 MiB at once)
     # (2.5 us since 2026-12-04: the 1.6 fitted then plus the 0.9 us combine call the model
     # charged then and no longer charges where the compiled call path reduces in C: the same
