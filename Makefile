@@ -13,6 +13,9 @@
 # make bench  run the OSU-style benchmark, 3 interleaved rounds, on as many ranks as cores (2 to 4;
 #             NP=4 BENCH_ARGS='--sizes 8:1M' to change)
 # make bench-sweep  the benchmark at 2, 4 and 8 ranks into sweep.json and sweep.png
+# make docs   the documentation site into docs/_build/html (Sphinx, warnings are errors), its examples
+#             run (doctest), and the pages checked against docs/results (scripts/figures.py --check);
+#             in make test, under Open MPI
 # make lint   ruff
 # make test-large  >2**31-element int8 allreduce with every algorithm at -n 2 (needs ~10 GiB; not in make test)
 
@@ -29,7 +32,7 @@ RANKS  ?= 1 2 3
 # and at WIDE_RANKS, the files whose subject changes with the communicator's size past 3
 # (WIDE_TESTS: the schedules, transports and node phases)
 WIDE_RANKS ?= 4 5 8
-EXTRAS ?= ,fast
+EXTRAS ?= ,fast,docs
 MPI4PY_RANKS ?= 1 2 3
 else ifeq ($(LIB),mpich)
 VENV   ?= .venv-mpich
@@ -57,7 +60,7 @@ export OMPI_MCA_osc ?= ^ucx
 # (a build that failed quietly would otherwise test the Python form twice)
 export MPIALLREDUCE_EXPECT_COMPILED ?= $(shell command -v cc >/dev/null 2>&1 && echo 1 || echo 0)
 
-.PHONY: test test-quick test-serial test-mpi test-mpi4py test-torch test-python-form test-large bench bench-sweep lint clean
+.PHONY: docs test test-quick test-serial test-mpi test-mpi4py test-torch test-python-form test-large bench bench-sweep lint clean
 
 QUICK_SERIAL := tests/test_partition.py tests/test_ops.py tests/test_errors.py tests/test_topology.py \
 	tests/test_select.py tests/test_knomial.py
@@ -169,7 +172,8 @@ test: $(VENV)/.installed $(if $(WITH_TORCH),$(TORCH_VENV)/.installed)
 	$(if $(MPI4PY_RANKS),$(MPI4PY_SUITE) --ranks $(MPI4PY_RANKS),true); b=$$?; \
 	$(if $(WITH_TORCH),$(TORCH_SUITE),true); c=$$?; \
 	$(if $(filter openmpi,$(LIB)),$(PYTHON_FORM_SUITE),true); d=$$?; \
-	exit $$((a || w || b || c || d))
+	$(if $(filter openmpi,$(LIB)),$(DOCS_BUILD),true); e=$$?; \
+	exit $$((a || w || b || c || d || e))
 endif
 
 # mpi4py's own collective and message-spec tests through mar.Comm (ring, recursive_doubling, shm,
@@ -208,8 +212,18 @@ bench: $(VENV)/.installed
 bench-sweep: $(VENV)/.installed
 	$(PY) scripts/bench_sweep.py $(SWEEP_ARGS)
 
+# The site from a clean tree (-E: no cached state), every warning an error; then the pages'
+# examples, run at one rank; then every figure checked against its result file. (Not a sub-make
+# in test's recipe: `make -n test` would run it.)
+DOCS_BUILD = $(PY) scripts/figures.py --check && \
+	$(PY) -m sphinx -E -W --keep-going -q -b html -d docs/_build/doctrees docs docs/_build/html && \
+	$(PY) -m sphinx -E -W --keep-going -q -b doctest -d docs/_build/doctrees docs docs/_build/doctest && \
+	echo "docs: docs/_build/html/index.html"
+docs: $(VENV)/.installed
+	$(DOCS_BUILD)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpiallreduce tests examples scripts
 
 clean:
-	rm -rf .venv .venv-mpich .venv-torch .pytest_cache .test-logs .cache build *.egg-info
+	rm -rf .venv .venv-mpich .venv-torch .pytest_cache .test-logs .cache build *.egg-info docs/_build
