@@ -12,9 +12,22 @@ import sys
 
 import numpy as np
 
+#: what :func:`clean` drops: the C0 controls but tab and newline, and DEL
+_CONTROLS = dict.fromkeys([*(c for c in range(0x20) if chr(c) not in "\t\n"), 0x7F])
+
+
+def clean(text: str) -> str:
+    """Return ``text`` without control characters other than newline and tab.
+
+    MPI libraries hand back C strings with their terminator (Open MPI's
+    ``MPI_Get_library_version`` ends with a NUL), which makes ``grep`` call the output binary.
+    """
+    return text.translate(_CONTROLS)
+
 
 def report(comm=None) -> list[str]:
-    """Return the lines to print (collective over ``comm``, default COMM_WORLD)."""
+    """Return the lines to print, clean text (:func:`clean`; collective over ``comm``, default
+    COMM_WORLD)."""
     import mpi4py
     from mpi4py import MPI
 
@@ -50,7 +63,7 @@ def report(comm=None) -> list[str]:
             f"saturating {', '.join(deviations)} (auto runs a schedule for these instead)"
             if deviations else "none found (8/16-bit SUM and PROD wrap as C does)"),
     ]
-    return lines
+    return [clean(line) for line in lines]
 
 
 def _auto_source(table: str | None) -> str:
@@ -75,11 +88,11 @@ def _launcher_note(comm) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(clean(__doc__.strip()))
         return 0
     if argv:
-        print(f"python -m mpiallreduce: takes no arguments, got {' '.join(argv)} "
-              f"(the bench is python -m mpiallreduce.bench)", file=sys.stderr)
+        print(clean(f"python -m mpiallreduce: takes no arguments, got {' '.join(argv)} "
+                    f"(the bench is python -m mpiallreduce.bench)"), file=sys.stderr)
         return 2
     from mpi4py import MPI
 
