@@ -1,5 +1,5 @@
 """The documentation keeps its promises: the pages quote the result files exactly, every result
-file says where it was measured, the README stays a user's page, the API reference lists every
+file says where it was measured, the API reference lists every
 public name, and code, tests and pages carry no dates or issue numbers.
 
 The site itself (Sphinx, warnings as errors, the pages' examples run) is built by `make docs`,
@@ -63,14 +63,6 @@ def test_every_quoted_result_file_says_where_it_was_measured():
         prov = doc["provenance"]
         assert all(prov.get(k) not in (None, "") for k in figures.PROVENANCE_KEYS), name
         assert doc["rows"] and all(len(r) == len(doc["columns"]) for r in doc["rows"]), name
-
-
-def test_readme_is_a_page_for_users():
-    lines = (ROOT / "README.md").read_text().splitlines()
-    assert len(lines) <= 120, f"README.md has {len(lines)} lines"
-    text = "\n".join(lines)
-    for command in ("make test", "make bench"):
-        assert command in text
 
 
 def test_the_api_reference_documents_every_public_name():
