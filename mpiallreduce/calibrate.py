@@ -53,7 +53,7 @@ def _pingpong_persistent(comm, nbytes: int, iterations: int) -> float:
     # a send buffer and a receive buffer, as a schedule's steps send from their input and
     # receive into scratch or the result: with one buffer for both, each message lands in
     # lines the peer has just read, and the next leaves from lines just written
-    # (Machine.reuse_curve), which cost 1.9-2.2x the one-way time at 16-256 KiB (2026-12-04);
+    # (Machine.reuse_curve), which would dominate the one-way time at 16-256 KiB;
     # the receive buffer lies COPY_DISTANCE past the send buffer modulo 4096 (the ranks
     # allocate alike, so the peer's too), outside memcpy's slow band
     source = np.zeros(max(nbytes, 1), dtype=np.uint8)
@@ -99,7 +99,7 @@ def _sendrecv(comm, nbytes: int) -> float:
     """Seconds per blocking ``Sendrecv`` of ``nbytes`` between ranks 0 and 1, both sending at
     once as MPI's collectives exchange (best of rounds, the slower of the two; others idle).
     Many rounds of many calls up to 64 KiB: the best of 7 rounds of 100 calls scattered
-    0.5-2.7 us at 1 B-2 KiB in one job, where 25 rounds of 2000 held 1.3-1.8 us."""
+    widely at 1 B-2 KiB in one job, where 25 rounds of 2000 held steady."""
     rank = comm.Get_rank()
     send, recv = np.ones(max(nbytes, 1), np.uint8), np.empty(max(nbytes, 1), np.uint8)
     run = (partial(comm.Sendrecv, send[:nbytes], 1 - rank, 7, recv[:nbytes], 1 - rank, 7)
@@ -157,10 +157,11 @@ def _copy_curve(sizes=RATE_SIZES) -> tuple[tuple[int, float], ...]:
 
 
 #: where a calibration copy's target lies past its source, modulo 4096 bytes: half a page,
-#: outside the band where glibc's memcpy (rep movsb) runs 3-10x slower on AMD Zen 3 (target
-#: 1-63 bytes past the source), which the transport's copies avoid (``shm.plan.copy_call``).
-#: A target allocated right after a source of a whole number of pages fell in it (16 bytes
-#: past): the calibrated copy and node rates of 64-256 KiB came out 8-12x too slow.
+#: outside the band where glibc's memcpy (rep movsb) runs several times slower on AMD Zen 3
+#: (target 1-63 bytes past the source), which the transport's copies avoid
+#: (``shm.plan.copy_call``). A target allocated right after a source of a whole number of pages
+#: falls in it (16 bytes past), and the calibrated copy and node rates of 64-256 KiB would come
+#: out several times too slow.
 COPY_DISTANCE = 2048
 
 
@@ -250,9 +251,9 @@ def _interpreter_terms(comm, nsteps: int = 33) -> dict:
 #: the library's own point-to-point plans and MPI's ``Allreduce`` that :func:`measure` times at
 #: small sizes in float32 (the bench's default), both modes: ``machine_from`` fits the per-call
 #: terms to them (:func:`.model.fit.fit_terms`). The synthetic shapes alone price the call path
-#: as it does not run: in one job (2026-12-04, 2 ranks) the library's recursive doubling took
-#: 1.8 us at 8 B where the shapes' one-element reducing step took 2.7 us, and the model put
-#: every schedule 1.5-2x too slow against native up to 2 KiB.
+#: as it does not run: at 2 ranks the library's whole recursive doubling at 8 B takes less
+#: than the shapes' one-element reducing step, and from the shapes alone the model put every
+#: schedule too slow against native up to 2 KiB.
 LIBRARY_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner")
 LIBRARY_SIZES = (8, 256, 2048)
 
@@ -453,7 +454,7 @@ def measure(comm, sizes: Sequence[int] = CURVE_SIZES, rate_sizes: Sequence[int] 
     for nbytes in sizes:
         iterations = int(min(100, max(5, (16 << 20) // max(nbytes, 1))))
         times.append(_pingpong_persistent(comm, nbytes, iterations))
-    _sendrecv(comm, 1)  # untimed: the first exchanges of a job ran 0.5 us slower
+    _sendrecv(comm, 1)  # untimed: the first exchanges of a job run slower
     exchanges = [_sendrecv(comm, nbytes) for nbytes in sizes]
     gamma = [[name, comm.bcast(_gamma(name), root=0)]
              for name in ("float32", "float64", "int32", "int64")]

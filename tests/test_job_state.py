@@ -1,5 +1,6 @@
 """scripts/job_state.py's arithmetic: a job's transfer cost and the split of jobs into two
-states (issue 38, item 3). The measurement itself runs MPI jobs and is not run here."""
+states, which the model cannot take from another job's calibration. The measurement itself
+runs MPI jobs and is not run here."""
 
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ def test_predict_command_prints_every_algorithm_and_a_winner():
 
 
 def test_the_star_and_the_winners_line_name_native_where_it_is_predicted_fastest():
-    """Issue 34, item 10: the winner of a size is its fastest row, native included, so the star
+    """The winner of a size is its fastest row, native included, so the star
     and ``# winners`` agree with the vs_native column (64 ranks, 8 per node: the built-in
     machine predicts native fastest at the small sizes, schedules at the large ones)."""
     import io
@@ -245,9 +245,9 @@ def test_exact_paths_equal_the_full_simulation(name, p):
 
 
 def test_native_reproduces_the_measured_crossover_at_2_and_4_ranks():
-    """Measured here on 2026-11-30 (the runs of that day, in the git history of the README):
-    Open MPI's default wins at 8 B and 1 KiB by well over 1.5x, the schedules win from 8 MiB
-    (1.5-2x against the default)."""
+    """As measured on the 2-core VM the built-in machine is calibrated on (scripts/native_sweep.py
+    measures the crossover): Open MPI's default wins at 8 B and 1 KiB by well over 1.5x, the
+    schedules win from 8 MiB. The bounds below hold the built-in model to that."""
     for p in (2, 4):
         for size in (8, 1 << 10):
             for name in ("ring_segmented", "recursive_doubling"):
@@ -302,7 +302,7 @@ def test_predict_4096_ranks_completes():
     assert "# winners: " in stdout
 
 
-# -- more ranks than cores (issue 24, item 2) ----------------------------------------------------
+# -- more ranks than cores: refused, the model has no core-sharing term ------------------------
 
 def test_more_ranks_than_cores_is_refused_with_the_reason():
     from dataclasses import replace
@@ -337,7 +337,7 @@ def test_machine_cores_round_trip_and_the_command_line_refuses(tmp_path, capsys)
                  "--cores-per-node", "2"]) == 2
 
 
-# -- in-network reduction (issue 24, item 3): a modelled switch and the "sharp" algorithm ------
+# -- in-network reduction: a modelled switch and the "sharp" algorithm --------------------------
 
 def _with_switch(machine=PLAIN, **changes):
     from dataclasses import replace
@@ -423,7 +423,7 @@ def test_predict_prints_the_switch_parameters_and_where_sharp_wins():
         main(["predict", "--ranks", "8", "--switch", "nope"])
 
 
-# -- scripts/predict_vs_measured.py on a tiny synthetic input (issue 24, item 5) -----------------
+# -- scripts/predict_vs_measured.py on a tiny synthetic input ----------------------------------
 
 def _script():
     from conftest import load_file
@@ -490,7 +490,7 @@ def test_predict_vs_measured_shares_refusals_and_plot(tmp_path):
     assert relative == [["2", "in", "3", "2", "(67%)", "2", "(67%)"]]
 
 
-# -- native as Open MPI 5.0's decision table and copies (issue 24, item 1) -----------------------
+# -- native as Open MPI 5.0's decision table and copies ----------------------------------------
 
 @pytest.mark.parametrize("nranks,nbytes,commutative,expected", [
     (2, 4, True, "recursive_doubling"),      # table: ring; Open MPI's ring below p elements: rd
@@ -592,11 +592,11 @@ def test_gamma_and_copy_follow_their_curves_and_in_place_copies_back():
 
 def test_the_compiled_small_regime_takes_the_rates_of_copies_without_a_call():
     """calibrate times copies, combines and the node's bandwidth with NumPy calls, so their
-    rates at a few KiB carry the call (this VM: copies 5x slower per byte at 4 KiB than at
-    64 KiB). The compiled small regime (float32/float64) copies and reduces without a call per
-    copy: it takes those rates at IN_LOOP_BYTES or its own size, the larger (with the small
-    sizes' own, shm at 1-8 KiB came out 1.4-1.9x its measured time, 2026-12-04); types that
-    call NumPy keep their size's rates."""
+    rates at a few KiB carry the call (on this VM copies cost several times more per byte at
+    4 KiB than at 64 KiB). The compiled small regime (float32/float64) copies and reduces
+    without a call per copy: it takes those rates at IN_LOOP_BYTES or its own size, the larger
+    (with the small sizes' own, shm at 1-8 KiB is predicted well above its measured time);
+    types that call NumPy keep their size's rates."""
     from mpiallreduce.model.prediction import IN_LOOP_BYTES
 
     slow_small = ((4096, 5e-10), (IN_LOOP_BYTES, 1e-10), (1 << 20, 1e-10))
@@ -641,8 +641,8 @@ def test_shm_regimes_and_the_node_bandwidth():
         chunks * 5e-6 + (p - 1) * part * 1e-10 + (p - 1) * (part * GAMMA + 4e-7) + part * 1e-10
         + (p - 1) * (part * 1e-10 + 4e-7), rel=1e-12)
     # reading the peers' freshly written slots: (p-1) whole slots in the small regime; the
-    # large regime's chunks are priced without it (fitted in the small regime, it made the
-    # large regime 1.4-2x too slow at 256 KiB-2 MiB against the bench, 2026-12-04)
+    # large regime's chunks are priced without it (fitted in the small regime, it makes the
+    # large regime too slow at 256 KiB-2 MiB against the bench)
     peer = replace_(machine, shm_peer=3e-10)
     assert predict("shm", p, small, machine=peer).time - predict(
         "shm", p, small, machine=machine).time == pytest.approx((p - 1) * small * 3e-10)
@@ -1006,8 +1006,8 @@ def test_native_messages_take_mpis_blocking_exchange_where_calibrated():
 def test_the_library_runs_calibrate_times_refit_the_per_call_terms():
     """calibrate times the library's own plans and MPI's Allreduce at a few small sizes:
     machine_from fits the per-call terms to them, so the model prices the call path as it
-    runs where the synthetic one-element shapes do not (issue 38, item 3: the schedules were
-    1.5-2x too slow against native up to 2 KiB). Rows made by known terms give them back."""
+    runs where the synthetic one-element shapes do not (from the shapes alone the schedules
+    come out too slow against native up to 2 KiB). Rows made by known terms give them back."""
     from dataclasses import replace
 
     from mpiallreduce.calibrate import LIBRARY_ALGORITHMS, LIBRARY_SIZES
@@ -1038,8 +1038,8 @@ def test_the_library_runs_calibrate_times_refit_the_per_call_terms():
 def test_the_node_terms_are_what_the_runs_leave_over_the_fitted_call_path():
     """shm's and the node-phased runs' own terms are their measured runs less the model's time
     for the rest, so they are derived after the fit to the library's runs: derived before it,
-    the node-phased run at 8 B came out 3-4x too fast against native (a job of 2026-12-04),
-    its fixed cost left over terms the fit then lowered."""
+    the node-phased run at 8 B comes out far too fast against native, its fixed cost left over
+    terms the fit then lowers."""
     from mpiallreduce.calibrate import LIBRARY_ALGORITHMS, LIBRARY_SIZES
     from mpiallreduce.model import machine_from
 
@@ -1062,7 +1062,7 @@ def test_the_node_terms_are_what_the_runs_leave_over_the_fitted_call_path():
         4e-6, rel=1e-9)
 
 
-# -- predict's fast paths give the slow derivation's numbers (issue 38, item 4) -----------------
+# -- predict's fast paths give the slow derivation's numbers -----------------------------------
 
 @pytest.mark.parametrize("name, p, per_node, count", [
     ("ring", 24, 8, 5), ("ring_segmented", 24, 8, 23), ("ring", 33, 4, 1),
@@ -1088,7 +1088,7 @@ def test_the_fast_paths_equal_building_every_rank(monkeypatch, name, p, per_node
         assert fast.sent_messages.tolist() == full.sent_messages.tolist()
 
 
-# -- the model judged as it is used: fitted terms, ratios and picks (issue 38, item 3) ----------
+# -- the model judged as it is used: fitted terms, ratios and picks -----------------------------
 
 def test_fit_terms_recovers_the_terms_that_made_the_rows():
     """Rows predicted by a machine with known per-call and per-step terms: fitting a machine
@@ -1141,7 +1141,7 @@ def test_as_used_counts_ratios_to_the_measured_best_and_picks():
     assert lines[-1].split()[-4:] == ["1/4", "(25%)", "2/2", "(100%)"]
 
 
-# -- heterogeneous networks: levels above the nodes with their own links (issue 38, item 5) -----
+# -- heterogeneous networks: levels above the nodes with their own links ------------------------
 
 SITE = Link(alpha=5e-3, beta=8e-10)
 
@@ -1243,9 +1243,9 @@ def test_predict_with_sites_needs_a_machine_with_levels(capsys):
 def test_calibration_copies_lie_outside_memcpys_slow_band(monkeypatch):
     """The calibration's copies (the copy curve, the 64 MiB copy and the node bandwidth) put
     their target half a page past the source modulo 4096. Allocated right after a source of
-    whole pages, a target lay 16 bytes past it, where glibc's memcpy (rep movsb) runs 3-10x
-    slower on AMD Zen 3: the calibrated rates of 64-256 KiB came out 8-12x too slow, and the
-    model priced shm's copies there at them (2026-12-04)."""
+    whole pages, a target lies 16 bytes past it, where glibc's memcpy (rep movsb) runs several
+    times slower on AMD Zen 3: the calibrated rates of 64-256 KiB would come out several times
+    too slow, and the model would price shm's copies there at them."""
     import numpy as np
     from mpi4py import MPI
 
@@ -1270,8 +1270,8 @@ def test_calibration_copies_lie_outside_memcpys_slow_band(monkeypatch):
 def test_native_faults_its_fresh_temporary_in_from_32_mib():
     """Open MPI's Rabenseifner and recursive doubling malloc a whole-message temporary per call;
     from 32 MiB glibc maps it afresh each time and the receives fault its pages in: at 2 ranks
-    native in place at 64 MiB took 2.36x our Rabenseifner, 0.99x with glibc's mmap threshold
-    raised (2026-12-04). The model adds the bytes written first at the machine's fault rate."""
+    native in place at 64 MiB loses to our Rabenseifner by far, and matches it with glibc's mmap
+    threshold raised. The model adds the bytes written first at the machine's fault rate."""
     from mpiallreduce.model.native import OMPI_FRESH_BYTES, native_algorithm
     from mpiallreduce.model.prediction import native_faulted
 

@@ -1,8 +1,8 @@
 """The model's predictions on a fixed grid equal the stored ones (``tests/model_golden.json``).
 
 The stored figures were written by this file (``python tests/test_model_golden.py --write``)
-from the model as it stood before the speed work of issue 38 (item 4): the fast paths must
-change how fast ``predict`` runs, never what it answers. Times within a relative 1e-12 (the
+from the model's slow derivation (building and simulating every rank, no fast path): the fast
+paths must change how fast ``predict`` runs, never what it answers. Times within a relative 1e-12 (the
 order of float additions may move), every count exactly. Rewrite the file only for a change
 that is meant to move predictions, and say so in the commit.
 """
@@ -25,7 +25,7 @@ GOLDEN = HERE / "model_golden.json"
 SCRIPTS = HERE.parent / "docs" / "results"
 
 #: (label, machine file or None for the built-in one)
-MACHINES = (("built-in", None), ("calibrated 2026-12-02 01:00", "machine-20261202-0100.json"),
+MACHINES = (("built-in", None), ("calibrated", "machine-20261202-0100.json"),
             ("sites", "machine-sites.json"))
 #: (ranks, ranks per node, nodes per site or None)
 SHAPES = ((1, 1, None), (2, 2, None), (3, 3, None), (4, 2, None), (5, 5, None), (8, 8, None),

@@ -1,5 +1,5 @@
 """The ring on a topology with sites (every rank at once in NumPy) against building and
-simulating every rank's own program (issue 38, item 5)."""
+simulating every rank's own program: the fast path gives the same numbers."""
 
 from __future__ import annotations
 

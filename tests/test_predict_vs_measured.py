@@ -1,6 +1,6 @@
 """scripts/predict_vs_measured.py: --max-size keeps the judged (and fitted) rows to a size, and
-the per-job slope of shm's time per byte and the --fit run replayed as the model (issue 38,
-item 3)."""
+the per-job slope of shm's time per byte and the --fit run replayed as the model: the model is
+judged as it is used, on ratios between algorithms and on its picks."""
 
 from __future__ import annotations
 
@@ -100,12 +100,12 @@ def _write(path, data) -> str:
 
 
 def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
-    """Issue 38, item 3, on a stored job of this VM (docs/results/machine-20261204-1649.json and its
-    two benches, calibrated and measured in one mpirun -n 2 job): the model refitted from the
-    job's own measurements puts at least 85% of the ratios between algorithms within +-25% of
-    the measured ones and picks within 10% of the measured best in at least 90% of the rows.
+    """On a stored job of this VM (docs/results/machine-20261204-1649.json and its two benches,
+    calibrated and measured in one mpirun -n 2 job), the model refitted from the job's own
+    measurements puts at least 85% of the ratios between algorithms within +-25% of the
+    measured ones and picks within 10% of the measured best in at least 90% of the rows.
     Without the exchange's curve past 64 KiB, the reuse term and shm's rate at 4 KiB, the
-    same measurements gave 63% and 88%."""
+    same measurements give 63% and 88%: the bounds hold those terms in the model."""
     from pathlib import Path
 
     from mpiallreduce.model import Machine
@@ -113,7 +113,7 @@ def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
 
     root = Path(__file__).resolve().parent.parent / "docs" / "results"
     stored = Machine.load(str(root / "machine-20261204-1649.json"))
-    machine = machine_from(stored.info["measurements"])  # the model as it is now
+    machine = machine_from(stored.info["measurements"])  # refitted by this code, not stored
     rows = script.load_measured([str(root / f"bench-n2-20261204-1649-{mode}.json")
                                  for mode in ("out", "in")])
     _, figures = script.as_used(script.compare(rows, machine, None))

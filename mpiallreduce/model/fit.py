@@ -37,8 +37,9 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
 
 #: largest message whose cost ``native_link`` takes from calibrate's blocking exchange. Up to
 #: here it steps where the ping-pong does not (eager paths); past it both are rendezvous and
-#: bandwidth, and the exchange's few rounds of large messages scatter (60 us at 128 KiB, 35 at
-#: 256 KiB in one job), so native's large messages keep the ping-pong's curve.
+#: bandwidth, and the exchange's few rounds of large messages scatter (a larger size can come
+#: out faster than a smaller one in the same job), so native's large messages keep the
+#: ping-pong's curve.
 NATIVE_LINK_BYTES = 64 << 10
 
 
@@ -120,8 +121,8 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
     intra = DEFAULT_MACHINE.intra if across else link
     inter = link if across else (NETWORK_100G if inter is None else inter)
     shm = {int(k): v for k, v in measured.get("shm_run_s", {}).items()}
-    # the small regime's run where it calls NumPy (int32 at 2 KiB; before 2026-12-04 float32
-    # at 2 KiB called it, and such a calibration's shm_call is left None)
+    # the small regime's run where it calls NumPy (int32 at 2 KiB, a type the compiled reduce
+    # does not take; a calibration file without this key leaves shm_call None)
     numpy_run = measured.get("shm_numpy_run_s", {}).get(str(NUMPY_RUN_BYTES))
     phased = {int(k): v for k, v in measured.get("hierarchical_shm_run_s", {}).items()}
     node_curve = measured.get("node_curve")
@@ -151,17 +152,18 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
     if exchanges and not across:
         # MPI's own blocking exchange, its shape by size, less mpi4py's own call: the median
         # of its excess over the ping-pong up to 64 B (one size alone can be an outlier: the
-        # first of a job's exchanges ran 0.5 us slow); up to NATIVE_LINK_BYTES, past them the
+        # first exchanges of a job run slow); up to NATIVE_LINK_BYTES, past them the
         # ping-pong's (the same protocol)
         offset = float(np.median([s - t for b, s, t in zip(sizes, exchanges, times)
                                   if b <= 64] or [exchanges[0] - times[0]]))
         if measured.get("pingpong_buffers") == 2:
-            # a ping-pong with a send and a receive buffer (calibrations since 2026-12-04):
-            # past NATIVE_LINK_BYTES both ranks' copies share the memory at once, as every
-            # exchange step's do, which a ping-pong's one copy at a time does not (2 ranks,
-            # 2026-12-04: the exchange took 1.5x the one-way time at 4-64 MiB, and the
-            # schedules' large runs followed it); below, the persistent requests' one-way time
-            # stays the schedules' (the blocking exchange steps where they do not)
+            # a ping-pong with a send and a receive buffer (a calibration file that records
+            # pingpong_buffers): past NATIVE_LINK_BYTES both ranks' copies share the memory at
+            # once, as every exchange step's do, which a ping-pong's one copy at a time does
+            # not (at 2 ranks the exchange took well over the one-way time at 4-64 MiB, and
+            # the schedules' large runs followed the exchange); below, the persistent
+            # requests' one-way time stays the schedules' (the blocking exchange steps where
+            # they do not)
             shifted = [max(0.0, s - offset) for s in exchanges]
             curve = [e if b > NATIVE_LINK_BYTES else t
                      for b, e, t in zip(sizes, shifted, times)]
@@ -206,7 +208,7 @@ def machine_from(measured: dict, inter: Link | None = None) -> Machine:
         machine = with_call(replace(machine, shm_peer=max(0.0, rest / ((nranks - 1) * half))))
         few = shm.get(SHM_PEER_BYTES)
         if few is not None and half > SHM_PEER_BYTES:
-            # a few KiB of the peers' lines: their own rate (calibrations since 2026-12-04)
+            # a few KiB of the peers' lines: their own rate (where the calibration measured it)
             flat = replace(machine, shm_peer=0.0)
             rest = few - predict("shm", nranks, SHM_PEER_BYTES, split, flat).time
             machine = with_call(replace(machine, shm_peer_curve=(

@@ -211,8 +211,8 @@ class Machine:
             ``calibrate``'s blocking ``Sendrecv`` exchange by size less its median excess over
             the ping-pong up to 64 B (mpi4py's per-call cost is ``native_call``'s). MPI's C
             code sends with blocking calls whose cost steps where the persistent requests of
-            the schedules' ping-pong do not (Open MPI 5, 2 ranks: +0.25 us from 384 B, 4.6 us
-            against 3.2 at 4 KiB).
+            the schedules' ping-pong do not (Open MPI 5 at 2 ranks: one step up from 384 B and
+            a larger one at 4 KiB).
         shm_call: seconds per call of shm's small regime beyond ``shm_small`` where its load
             and reduce call NumPy (element types other than ``COMPILED_REDUCE_DTYPES``, which
             the compiled call path reduces in C), or None: a ``combine`` per combine.
@@ -221,8 +221,8 @@ class Machine:
             small regime's: the large regime's chunks are priced without it).
         shm_peer_curve: ``shm_peer`` by the bytes each rank reads from a slot,
             ``((bytes, s/B), ...)``, or None (``shm_peer`` at every size): a few KiB of a
-            peer's lines come one latency at a time, where 64 KiB stream (2 ranks, 2026-12-04:
-            0.25 ns/B at 2 KiB against 0.17 at 64 KiB).
+            peer's lines come one latency at a time, where 64 KiB stream, so a byte costs more
+            at a few KiB than at 64 KiB.
         node_bandwidth: bytes per second a node's memory moves for all its ranks at once
             (reads plus writes), or 0 (no limit): the shm transport's copies and combines run
             on every rank of the node together and cannot go faster than this.
@@ -235,10 +235,11 @@ class Machine:
             single-copy transport reads the sender's own memory, so such a line moves between
             the two cores every run: the peer reads it out of the writer's cache, and the next
             write must take it back. ``calibrate`` times the ping-pong with a send and a receive
-            buffer (2026-12-04: with one buffer for both, its one-way time at 16-256 KiB was
-            1.9-2.2x the two buffers', so recursive doubling out of place, which sends its
-            untouched input, was predicted 1.4-1.8x too slow) and fits this curve to recursive
-            doubling's runs in place against out of place (``fit.REUSE_SIZES``).
+            buffer (with one buffer for both, the ping-pong's one-way time would carry these
+            line transfers itself, far above the two buffers' at 16-256 KiB, and recursive
+            doubling out of place, which sends its untouched input, would be predicted too
+            slow) and fits this curve to recursive doubling's runs in place against out of
+            place (``fit.REUSE_SIZES``).
         switch: in-network reduction (:class:`Switch`), or ``None``: only the modelled
             algorithm ``"sharp"`` uses it.
         cores: cores per node, or ``None`` (not checked). A prediction that puts more ranks
@@ -450,36 +451,38 @@ DEFAULT_MACHINE = Machine(
     intra=Link(alpha=1.50e-6, beta=1.43e-10),
     inter=NETWORK_100G,
     gamma=(("float32", 7.8e-11), ("float64", 7.6e-11), ("int32", 7.8e-11), ("int64", 8.0e-11)),
-    # the quiet VM's 2.86 us per step, which lumped the combine in, split as the newer
-    # calibrate measures it: 0.9 us per combine call (its runs read 0.59-1.57 us), the rest
-    # per step (a step with one reducing receive costs what it did; the shared-memory phases'
-    # combine calls, which have no step, cost their Python too)
+    # docs/results/machine-vm.json's 2.86 us per step, which lumps the combine in, split as
+    # calibrate measures the two apart: 0.9 us per combine call (the combine of
+    # docs/results/machine-idle-20261201.json), the rest per step (a step with one reducing
+    # receive costs the same either way; the shared-memory phases' combine calls, which have
+    # no step, cost their Python too)
     step=1.96e-6,
     combine=0.9e-6,
     call=0.0,
     copy=2.71e-10,
-    # native measured less native modelled at 2 ranks, median over 8 B..1 KiB, in the quiet
-    # VM's run of docs/results/predict_vs_measured-vm.txt (2026-11-30): 0.75-1.24 µs
+    # native measured less native modelled at 2 ranks, the median over 8 B..1 KiB of the quiet
+    # VM's run in docs/results/predict_vs_measured-vm.txt
     native_call=0.94e-6,
     # the shared-memory transport (shm, and the intra-node phase of hierarchical and cascade):
-    # its per-call terms and peer reads as fitted to the quiet 2-core VM's bench of 2026-12-01
+    # its per-call terms and peer reads as fitted to the quiet 2-core VM's bench
     # (docs/results/machine-fitted-quiet.json, docs/model.md), the node's bandwidth as that VM's
     # idle calibration measured it (docs/results/machine-idle-20261201.json: every rank copying
     # 64 MiB at once)
-    # (2.5 us since 2026-12-04: the 1.6 fitted then plus the 0.9 us combine call the model
-    # charged then and no longer charges where the compiled call path reduces in C: the same
-    # 8-byte prediction)
+    # (shm_small: the fitted file's 1.6 us plus the 0.9 us combine call above, which the
+    # model charges shm only where its reduce calls NumPy, not where the compiled call path
+    # reduces in C: the 8-byte prediction stays the fitted one)
     shm_small=2.5e-6,
     shm_large=3.2e-6,
     shm_peer=2.0e-10,
     node_bandwidth=4.3e10,
     # first writes into a fresh libc malloc of 64 MiB beyond plain writes, as calibrate
-    # measured it on the 2-core VM of 2026-12-04 (0.545 and 0.552 ns/B, two jobs)
+    # measured it on the 2-core VM in two jobs (docs/results/machine-20261204-0721.json and
+    # machine-20261204-0722.json)
     fault=5.5e-10,
     info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
-                    "VM (Open MPI 5.0.11, 2026-11-30, after the executor's flat run loop); "
-                    "shm terms from that VM's fitted and idle runs of 2026-12-01; "
-                    "inter-node a 100 Gb/s network"},
+                    "VM (Open MPI 5.0.11; docs/results/machine-vm.json); shm terms from that "
+                    "VM's fitted and idle runs (docs/results/machine-fitted-quiet.json, "
+                    "machine-idle-20261201.json); inter-node a 100 Gb/s network"},
 )
 
 
@@ -492,14 +495,15 @@ def check_cores(ranks_per_node: int, machine: Machine) -> None:
 
     Ranks beyond the cores run in turns: a rank waiting for a message spins through its time
     slice while the sender is not scheduled, so a step costs scheduler quanta, not α + bβ.
-    Measured on the 2-core VM (issue 24), runs at 4 ranks took 1-7x and at 8 ranks 2.5-14x
-    the model's prediction, with a spread that follows the machine's other load, so no single
-    core-sharing factor calibrated there would be credible: the model refuses instead of
-    being 10x wrong.
+    On a 2-core VM, runs at 4 and 8 ranks took several times the model's prediction, by a
+    factor that followed the machine's other load, so no single core-sharing factor
+    calibrated there would be credible: the model refuses rather than answer with a time that
+    can be off by an order of magnitude.
     """
     if machine.cores is not None and ranks_per_node > machine.cores:
         raise Oversubscribed(
             f"{ranks_per_node} ranks on a node of {machine.cores} cores: ranks would share "
-            f"cores, and the model has no core-sharing term (oversubscribed runs measured 1-14x "
-            f"its predictions); predict at most {machine.cores} ranks per node, or describe a "
-            f"node with more cores (--cores-per-node, or \"cores\" in the machine file)")
+            f"cores, and the model has no core-sharing term (oversubscribed runs measured up to "
+            f"an order of magnitude over its predictions); predict at most {machine.cores} "
+            f"ranks per node, or describe a node with more cores (--cores-per-node, or "
+            f"\"cores\" in the machine file)")

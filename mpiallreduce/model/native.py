@@ -39,8 +39,9 @@ OMPI_COPIES = frozenset({3, 4, 5, 6})
 #: threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); below it a freed
 #: temporary returns to the heap and the next call reuses its pages. Open MPI's recursive
 #: doubling and Rabenseifner malloc a whole-message temporary per call, so from here their
-#: receives fault its pages in every call (2 ranks, 2026-12-04: native in place at 64 MiB took
-#: 2.36x our Rabenseifner, 0.99x with MALLOC_MMAP_THRESHOLD_ raised to 1 GiB).
+#: receives fault its pages in every call (at 2 ranks native in place at 64 MiB lost to our
+#: Rabenseifner by far, and matched it once MALLOC_MMAP_THRESHOLD_ lay above the
+#: message: the faults are the whole difference).
 OMPI_FRESH_BYTES = 32 << 20
 
 

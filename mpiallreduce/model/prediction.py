@@ -249,15 +249,15 @@ class _NodeCosts:
 #: the largest copy whose calibrated rate (allocate and copy) the transport's copies into
 #: their existing slots and results take: from glibc's largest mmap threshold (32 MiB) the
 #: calibration's target is mapped afresh each time and its rate carries the page faults
-#: (``fault``), which a slot written every call never pays (2 ranks, 2026-12-04: shm at 64 MiB
-#: was predicted at 1.8-2.5x its time, the copy rate there 2.4x that of 16 MiB)
+#: (``fault``), which a slot written every call never pays (with the 64 MiB rate, shm at
+#: 64 MiB was predicted far slower than it runs)
 RESIDENT_COPY = OMPI_FRESH_BYTES // 2
 
 
 #: the size whose calibrated copy and combine rates (NumPy calls, timed by size) carry no
 #: per-call cost: the compiled small regime's memcpy and loop make no call per copy, so at
-#: every size they take these rates (with the small sizes' own, which hold NumPy's call, the
-#: model put shm at 1-8 KiB 1.4-1.9x its measured time, 2026-12-04)
+#: every size they take these rates (the small sizes' own hold NumPy's call, and with them
+#: the model put shm at 1-8 KiB well above its measured time)
 IN_LOOP_BYTES = 64 << 10
 
 
