@@ -402,7 +402,7 @@ def test_the_advice_leads_with_what_auto_picked_and_its_ratio_to_the_best():
 
 
 def test_recommend_only_a_lead_beyond_the_margin_in_every_round():
-    """Issue 34, item 11: a candidate that beats auto by more than the margin in every round is
+    """A candidate that beats auto by more than the margin in every round is
     recommended; one that wins the median but loses a round is not, nor is a tie."""
     auto = [100.0, 100.0, 100.0]
     rows = [

@@ -128,12 +128,12 @@ def test_the_cache_is_bounded_by_entries_and_bytes(comm, monkeypatch):
 @pytest.mark.parametrize("scratch_tips_it", [False, True], ids=["arrays", "scratch"])
 def test_a_call_too_big_for_the_cache_builds_one_plan(comm, monkeypatch, algorithm,
                                                       scratch_tips_it):
-    """A one-shot call the cache cannot keep builds its plan once, runs it, frees it: until
-    2026-12-04 it built a plan for the cache, found the entry too big, freed it and built a
-    second one (64 MiB by shm took 2x its plan's run). Too big by its arrays alone, the cache's
-    build is skipped; too big only with the plan's scratch, that plan runs once and the next
-    calls of the shape skip it (persistent, its scratch fresh per call: rabenseifner in place
-    at 64 MiB took 138 ms a call against 12 out of place)."""
+    """A one-shot call the cache cannot keep builds its plan once, runs it, frees it, never a
+    plan for the cache and then a second one to run (at 64 MiB a second build costs about as
+    much as the run). Too big by its arrays alone, the cache's build is skipped; too big only
+    with the plan's scratch, that plan runs once and the next calls of the shape skip it
+    (built per call, its scratch fresh each time, rabenseifner in place at 64 MiB runs an order
+    of magnitude slower than out of place)."""
     state = _state.state(comm)
     x = contribution(comm, 200, "float64")  # 3.2 kB of arrays
     monkeypatch.setattr(state.calls, "max_bytes", 3200 if scratch_tips_it else 1000)
@@ -644,8 +644,8 @@ KEPT = {
 @pytest.mark.parametrize("timeout", [None, 30, np.float64(30.0)])
 @pytest.mark.parametrize("entry_point", list(KEPT))
 def test_every_entry_point_finds_its_cached_call_alike(comm, entry_point, timeout):
-    # issue 34, item 4: three copies of the lookup had drifted (reproducible's skipped the
-    # NumPy timeout's conversion and sorted the parameters in its key)
+    # every entry point makes the same key, so no copy of the lookup can drift from the others
+    # (such as skipping the NumPy timeout's conversion, or sorting the parameters in its key)
     call = KEPT[entry_point]
     x = contribution(comm, 9, "float64")
     out = np.empty_like(x)
@@ -677,8 +677,8 @@ HANG = 120.0
 def test_a_repeated_call_whose_peer_never_comes_times_out(monkeypatch, entry_point, per_node,
                                                           count):
     """A cached call honours ``timeout=`` as a first call does, on every entry point: the last
-    rank skips the third call and the others raise CollectiveTimeout (across nodes, the
-    reproducible one raised AssertionError "fail() must raise": issue 34, item 4). The skipper
+    rank skips the third call and the others raise CollectiveTimeout (the reproducible one
+    across nodes too, which a lookup of its own would not). The skipper
     waits in a barrier the others reach once they have timed out, then joins the argument check
     they abandoned (where they waited in one; on one node they wait on shared memory), so the
     world is clean afterwards."""

@@ -133,10 +133,9 @@ def test_a_repeated_small_shm_call_runs_compiled_where_built():
                                              ("PROD", "float32")])
 def test_the_compiled_small_regime_reduces_in_c_at_every_size_of_it(op_name, dtype):
     """Where built, the small regime's run of float32 and float64 loads and reduces in C
-    (``SmallRun.takes_pointers``) at every size of the regime, its largest too; until
-    2026-12-04 only up to 1 KiB (its loop then went element by element), and past it each run
-    called NumPy's ufuncs: 2.3x slower at 2 KiB. Every size gives the rank-order reference's
-    bits on every rank."""
+    (``SmallRun.takes_pointers``) at every size of the regime, its largest too, not only up to
+    1 KiB: past a size it does not take, each run would call NumPy's ufuncs, far slower at
+    2 KiB. Every size gives the rank-order reference's bits on every rank."""
     comm = MPI.COMM_WORLD
     if comm.size < 2:
         pytest.skip("one rank runs no shm epoch")  # (uniform across ranks)

@@ -1,9 +1,9 @@
-"""DLPack producers and the drop-in: read as mpi4py reads them, nothing kept in cycles (issue 34).
+"""DLPack producers and the drop-in: read as mpi4py reads them, nothing kept in cycles.
 
-mar.Comm crashed under mpi4py's own test suite: NumPy's ``from_dlpack`` consumed the suite's
-DLPack producer's capsules (mpi4py never does), and exceptions kept in locals held the
-buffers' frames in reference cycles until a garbage collection ran the producer's destructors
-at the wrong moment. ``scripts/mpi4py_suite.py`` runs that suite; these tests pin the causes.
+mar.Comm must survive mpi4py's own test suite: NumPy's ``from_dlpack`` would consume the
+suite's DLPack producer's capsules (mpi4py never does), and exceptions kept in locals would
+hold the buffers' frames in reference cycles until a garbage collection ran the producer's
+destructors at the wrong moment. ``scripts/mpi4py_suite.py`` runs that suite; these tests pin the causes.
 """
 
 from __future__ import annotations

@@ -141,10 +141,11 @@ def test_plan_start_and_wait_methods(algorithm):
             assert_matches_native(comm, x, out, MPI.SUM)
 
 
-# -- issue 25: concurrency ----------------------------------------------------------------------
+# -- concurrency: requests in flight and blocking calls on one communicator -------------------
 
 def _ordered_sum(comm):
-    """A user op (so uncached calls take the shared-scratch path before the fix)."""
+    """A user op (so uncached calls take the path where a communicator's scratch could be
+    shared)."""
     return MPI.Op.Create(lambda a, b, t: np.add(np.frombuffer(a, "f8"), np.frombuffer(b, "f8"),
                                                 out=np.frombuffer(b, "f8")), commute=True)
 
@@ -152,8 +153,9 @@ def _ordered_sum(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
 def test_a_request_in_flight_and_a_blocking_call_never_share_scratch(comm, algorithm):
-    # Before the fix an iallreduce borrowed the communicator's scratch, which the blocking call
-    # below (user op, recvbuf=None: uncached) used at the same time: 14-18 wrong sums in 40.
+    # An iallreduce that borrowed the communicator's scratch would share it with the blocking
+    # call below (user op, recvbuf=None: uncached) at the same time, and 40 rounds show such
+    # wrong sums many times over.
     op = _ordered_sum(comm)
     try:
         for round_ in range(40):

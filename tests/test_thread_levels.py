@@ -1,8 +1,9 @@
 """Requests at every MPI thread level: test() never blocks, wait(timeout) honours its timeout
 (subprocess mpirun, since the thread level is fixed when MPI starts).
 
-Before issue 25's fix, without MPI_THREAD_MULTIPLE ``test()`` ran a queued schedule to
-completion (blocking until the late ranks arrived) and ``wait(timeout)`` ignored its timeout.
+Without MPI_THREAD_MULTIPLE, ``test()`` must not run a queued schedule to completion (which
+would block until the late ranks arrived), and ``wait(timeout)`` must still honour its
+timeout.
 """
 
 from __future__ import annotations

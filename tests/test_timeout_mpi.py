@@ -552,7 +552,7 @@ def test_a_timeout_that_is_not_reached_changes_nothing():
             assert_matches_native(comm, x, p.run(timeout=60), MPI.SUM)
 
 
-# -- mar.Comm(timeout=...): mpi4py's own collectives keep the deadline too (issue 34, item 2) ---
+# -- mar.Comm(timeout=...): mpi4py's own collectives keep the deadline too --------------------
 
 #: a collective of mar.Comm that mpi4py would run blocking, and the non-blocking call the
 #: skipper joins afterwards on the same communicator (what the others left pending)
