@@ -687,8 +687,8 @@ cdef inline void combine(real *out, char **slots, Py_ssize_t count, Py_ssize_t n
 
     One pass per rank, as the ufuncs make: each is a loop of one operation the compiler
     vectorizes, whose loads of a peer's slot (lines another core just wrote) overlap. The
-    element-by-element form (all ranks' values of ``i``, then ``i + 1``) reduced 1 KiB at
-    2 ranks in 1.7 us more than 8 B, against 0.6 us for NumPy's calls past 1 KiB."""
+    element-by-element form (all ranks' values of ``i``, then ``i + 1``) lost to NumPy's
+    calls from 1 KiB at 2 ranks: its loads of the peers' slots do not overlap."""
     cdef Py_ssize_t i, q
     cdef real *theirs = <real *>slots[0]
     cdef real *mine
@@ -711,10 +711,10 @@ cdef inline void combine(real *out, char **slots, Py_ssize_t count, Py_ssize_t n
 
 
 #: pieces of a load in ``shm.plan.copy_call``'s slow band (``shm.plan.trapped``: the target 1-63
-#: bytes past the source modulo 4096, where glibc's ``rep movsb`` runs 5-15x slower): a memcpy
-#: below glibc's threshold for it (2 KiB with 16-byte vectors, 4 KiB with 32) takes its vector
-#: loop, which the band does not slow (32 KiB 16 bytes past: 12.2 us whole, 0.74 in 1 KiB
-#: pieces, this VM, 2026-12-04)
+#: bytes past the source modulo 4096, where glibc's ``rep movsb`` runs several times slower):
+#: a memcpy below glibc's threshold for it (2 KiB with 16-byte vectors, 4 KiB with 32) takes
+#: its vector loop, which the band does not slow (a 32 KiB load 16 bytes past runs many times
+#: faster in 1 KiB pieces than whole)
 cdef Py_ssize_t PIECE_BYTES = 1024
 
 

@@ -564,8 +564,8 @@ def one_shot(state: CommState, call: Call, key: tuple, objects: tuple, cache: bo
         if not state.calls.put(key, CallEntry(call, plan, state, objects)):
             # its scratch tipped it over the cache's bytes: run it this once, and let calls
             # of this shape skip it (built per call, its scratch fresh each time, rabenseifner
-            # in place at 64 MiB took 138 ms a call against 12 out of place, 2026-12-04; a
-            # second plan built here as well doubled an uncached call's cost)
+            # in place at 64 MiB runs an order of magnitude slower than out of place; a
+            # second plan built here as well would double an uncached call's cost)
             state.calls.refuse(shape)
             try:
                 return plan.run(timeout)

@@ -28,8 +28,8 @@ MAX_CHUNKS = 1024
 ALIGN = 64
 #: the element types whose small-regime load and reduce (SUM, PROD, AVG) the compiled call path
 #: runs in C, at every size of the small regime: one vectorised pass per rank, as NumPy's ufunc
-#: calls make, without their per-call cost (until 2026-12-04 only up to 1 KiB: its loop then
-#: went element by element, all ranks at a time, and measured slower than the ufuncs past it).
+#: calls make, without their per-call cost (a loop element by element, all ranks at a time,
+#: would lose to the ufuncs past 1 KiB: the pass per rank is what lets it cover every size).
 #: Other types and ops call NumPy's ufuncs in each run (the model charges ``shm_call`` there).
 COMPILED_REDUCE_DTYPES = ("float32", "float64")
 

@@ -57,8 +57,9 @@ def patience(deadline: float | None, spin: bool = True):
 
     With ``spin``, yields at once for :data:`SPIN_SECONDS` while giving the core away
     (``sched_yield``: cheap when nobody else wants it, fair when more ranks than cores share
-    it); then sleeps from 50 µs doubling to 1 ms between tests. A plain ``time.sleep`` of 1 µs
-    sleeps ~60-90 µs on Linux, which made every short wait with a timeout that slow.
+    it); then sleeps from 50 µs doubling to 1 ms between tests. A plain ``time.sleep`` of a
+    microsecond sleeps far longer on Linux (the kernel's timer slack and a wake-up), which
+    would make every short wait with a timeout that slow.
     """
     return _pace(deadline, SPIN_SECONDS if spin else 0.0)
 
@@ -130,7 +131,8 @@ def tested(requests):
 
 _TESTALL = MPI.Request.Testall
 #: most requests a wait tests one by one: ``Testall`` builds a C array from the list on every
-#: call (0.5 µs for two requests on the VM of 2026-12-03), a ``Test`` takes 0.13 µs.
+#: call, which costs as much as several ``Test`` calls, so up to this many one ``Test`` each
+#: is cheaper.
 EACH_MOST = 4
 
 

@@ -464,7 +464,7 @@ class Plan(_PlanBase):
                 if direct and not any(was for _, _, was in written.pieces(start, stop)):
                     # out of place, a range the plan has not written holds nothing yet: the
                     # message lands there and is reduced with sendbuf in place (no scratch; a
-                    # ufunc storing into cold lines it has not read costs ~2x here)
+                    # ufunc storing into cold lines it has not read costs more here)
                     recvs.append((recv.peer, target))
                     combines.append((target, source[start:stop], start, stop, recv.order))
                     written.add(start, stop)

@@ -10,8 +10,8 @@ row each: an untimed one, which brings the candidate's buffers, windows and conn
 into the caches after the other candidates' calls (the first also touches its pages), then a
 timed one. So each candidate is timed warm, as a repeated call runs it; rounds interleave, so
 a burst of load hits every candidate alike. (Timed straight after another candidate's call,
-``shm`` in place at 256 KiB-2 MiB lost to native and the ring by 1.2-1.6x on the VM of
-2026-12-03, which ran it 1.2-1.6x faster repeated.) A one-shot call's candidate is timed with the
+``shm`` in place at 256 KiB-2 MiB lost to native and the ring, which it beats when repeated:
+a cold call does not price a repeated one.) A one-shot call's candidate is timed with the
 argument check it will pay once bound (one more check, except for ``shm``, whose run checks
 the arguments itself). After the last, every rank takes each candidate's least time, one
 ``Allreduce(MAX)`` on the private communicator makes them the slowest rank's, and the fastest

@@ -80,7 +80,7 @@ class Reducer:
 
     def _into(self, first: np.ndarray, second: np.ndarray, out: np.ndarray):
         """Return the bound ``ufunc(first, second, out)``: ``out`` positional where NumPy
-        allows it (0.15 us cheaper per call than the keyword; maximum/minimum deprecate it).
+        allows it (cheaper per call than the keyword; maximum/minimum deprecate it).
 
         A float or complex sum or product runs with NumPy's floating-point errors ignored
         (:func:`quietly`): past the largest float it is an infinity, inf - inf a NaN, as IEEE
@@ -111,8 +111,8 @@ class Reducer:
                     and not _same_memory(received, out):
                 # single-copy transports (Open MPI's CMA) read the sender's memory, so the
                 # peer's cache holds ``out``'s lines: a ufunc storing into them pays an
-                # ownership upgrade per line, ~4x slower than writing our own scratch and
-                # copying it back with memcpy's store stream
+                # ownership upgrade per line, several times slower than writing our own
+                # scratch and copying it back with memcpy's store stream
                 return (self._into(first, second, received), partial(np.copyto, out, received))
             return (self._into(first, second, out),)
         reduce_local = self.mpi_op.Reduce_local
@@ -133,9 +133,9 @@ def _quiet_context() -> contextvars.Context | None:
 
     NumPy 2 keeps its error state in a context variable, which ``errstate`` sets in the
     current context: entered inside a context of its own (and never left), it holds there
-    alone, so a call run in that context (``Context.run``, in C: 0.05-0.2 us) ignores the
+    alone, so a call run in that context (``Context.run``, cheap: it is C) ignores the
     errors while the caller's state, global and in every other context, stays as it is.
-    ``np.errstate`` around each call costs 2-3 us here, more than an 8-byte run.
+    ``np.errstate`` around each call costs more than an 8-byte run.
     """
     if int(np.__version__.split(".")[0]) < 2:
         return None  # NumPy 1 keeps the state per thread: errstate would change the caller's
@@ -165,10 +165,10 @@ def quietly(func, *args):
 #: copied back. Under Open MPI 5's single-copy CMA path (messages over 4 KiB) the peer's cache
 #: holds the lines it read, and a ufunc storing into them pays an ownership upgrade per line.
 #: Measured at 2 ranks, Xeon with 2 MiB L2 per core: right after a peer read the range,
-#: ``np.add(out, received, out)`` took 5.5/14/53/222 us at 4/16/64/1024 KiB, through scratch
-#: 2.1/4.2/14/122 us; whole in-place runs (ring, rabenseifner, recursive_doubling) gain
-#: 1.4-2.3x up to a 1 MiB result, nothing at 2 MiB, and lose ~10% at 8 MiB, where the lines
-#: have left the peer's cache before they are written again.
+#: ``np.add(out, received, out)`` was slower than the same add through scratch at every size
+#: from 4 KiB to 1 MiB; whole in-place runs (ring, rabenseifner, recursive_doubling) gain from
+#: it up to a 1 MiB result, nothing at 2 MiB, and lose at 8 MiB, where the lines have left the
+#: peer's cache before they are written again.
 SCRATCH_COMBINE = (4 << 10, 1 << 20)
 
 

@@ -47,7 +47,7 @@ def program_length(name: str, nranks: int, count: int) -> int:
     Flat algorithms are built from phases that pad idle ranks with empty steps, so every rank's
     program has the same length (``tests/test_model.py`` checks this for p = 1..64) and rank 0's
     program gives it: O(one program) instead of building all p of them, which made hierarchical
-    and cascade schedules O(p²) to build (3.2 s at 512 nodes with ``inner="ring"``).
+    and cascade schedules O(p²) to build (seconds at 512 nodes with ``inner="ring"``).
     """
     algorithm = get(name)
     return len(algorithm.steps(0, nranks, count, **algorithm.params))

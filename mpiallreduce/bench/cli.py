@@ -49,7 +49,7 @@ def run(comm, opts: Options, out=None, recorder=None) -> tuple[list[Row], list[s
     all_ok = True
     busfactor = 2 * (comm.size - 1) / comm.size
     # untimed: every case once at the first size, so that no row pays for first calls (the
-    # communicator's set-up, imports, caches: native measured 9.8 µs cold at 8 B, 6.4 warm)
+    # communicator's set-up, imports, caches: even native's first 8-byte call is slower)
     warm = Case(comm, opts, opts.sizes[0])
     warm.iterations = warm.warmup = 1
     with contextlib.nullcontext() if recorder is None else recorder.paused():

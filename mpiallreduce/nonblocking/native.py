@@ -81,7 +81,7 @@ class _NativeWork:
         # Its request dropped in flight: MPI's own requests may not be freed while active
         # (MPI-4 §6.12), so they and their buffers are kept until they complete (tested at the
         # next call, waited at exit). (A schedule's dropped run stays with its engine, which
-        # completes it; and Request has no finalizer, which cost ~0.5 us per request.)
+        # completes it; and Request has no finalizer, a cost every request would pay.)
         if MPI.Is_finalized():
             return
         try:

@@ -21,8 +21,9 @@ is; the others go round unscaled).
 - **Numba** (``pip install mpiallreduce[fast]``, used when it imports; ``MPIALLREDUCE_NUMBA=0``
   turns it off): one compiled pass per block of ``BLOCK`` values at the unit the previous
   block's largest gave (a block that needs more is buffered and goes the long way), the words
-  accumulated in a carry-save integer of 30-bit digits. About 1.5x ``np.dot``'s time for a dot
-  product, against ~15x for the NumPy form (docs/usage.md, "Reproducible sums").
+  accumulated in a carry-save integer of 30-bit digits. Close to ``np.dot``'s time for a dot
+  product, where the NumPy form takes an order of magnitude more (``scripts/reproducible_cost.py
+  --dot`` measures it; docs/usage.md, "Reproducible sums").
 """
 
 from __future__ import annotations

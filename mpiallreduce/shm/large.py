@@ -27,7 +27,8 @@ class ChunkedPlan(ShmPlan):
     def _bind(self, source, input_block, input_at, recv_block, recv_at) -> None:
         self._trace("chunked", "chunk")
         # each parity's chunk calls are bound at its first run (:meth:`_chunks`): a one-shot
-        # call runs one parity only, and binding took 7 ms a parity at 64 MiB (128 chunks)
+        # call runs one parity only, and binding a parity is costly for a large message
+        # (128 chunks at 64 MiB)
         self._programs = [None, None]
         self._binding = (source, input_block, input_at)
         if self.traced:  # the run's ends and its waits are methods: stamped around them
@@ -66,8 +67,9 @@ class ChunkedPlan(ShmPlan):
         buffers = [[np.frombuffer(segment, dtype=dtype, count=min(per, count - j * per),
                                   offset=base + j * stride) for segment in self._segments]
                    for j in range(1 if count <= per else 2)]
-        # the addresses, read once (each read costs 2.5 us): every copy's distance is theirs
-        # plus offsets; a chunk's slot q of buffer j lies at slot_at[j][q]
+        # the addresses, read once (reading ``ctypes.data`` is slow, and a chunked plan makes
+        # thousands of copies): every copy's distance is theirs plus offsets; a chunk's slot q
+        # of buffer j lies at slot_at[j][q]
         item = dtype.itemsize
         source_at, result_at = source.ctypes.data, result.ctypes.data
         slot_at = [[buffer.ctypes.data for buffer in pair] for pair in buffers]

@@ -41,21 +41,21 @@ def copy_call(target: np.ndarray, source: np.ndarray, distance: int | None = Non
     """A bound call that copies ``source`` into ``target`` (contiguous, the same number of
     bytes, never overlapping): the one copy between a slot or shared array and a rank's array.
 
-    glibc's memcpy (``rep movsb`` from a few KiB up to the L2 size) runs 5-15x slower on AMD
-    Zen 3 where the target lies 1-31 bytes past the source modulo 4096 (a false dependency of
-    each load on the store before it; glibc bug 30994; 40-56 bytes cost 1.6x here). A slot sits
+    glibc's memcpy (``rep movsb`` from a few KiB up to the L2 size) runs several times slower
+    on AMD Zen 3 where the target lies 1-31 bytes past the source modulo 4096 (a false
+    dependency of each load on the store before it; glibc bug 30994; 40-56 bytes past are slow
+    here too, less so: hence :data:`TRAPPED_DISTANCE`). A slot sits
     at a page offset of the window's, a NumPy array where malloc put it (16 bytes past a page
     for a large one, anywhere for one from the heap): copying a slot out into such an array, or
     an input ending just before a page into a slot, hit it, in some runs and not others. There
     (from :data:`LOOP_COPY_BYTES`, target 1 to :data:`TRAPPED_DISTANCE` - 1 bytes past the
     source modulo 4096), the copy is NumPy's identity loop over the bytes (``np.positive`` on
     uint8, the same bits), as fast as the good case; elsewhere memcpy (a byte memoryview's
-    slice assignment), whose stores into lines another core has just read beat the loop's:
-    32 KiB into the small regime's slot, at 2 ranks, took 8.0 us a call with memcpy and
-    10.9-11.2 with the loop (2026-12-04).
+    slice assignment), whose stores into lines another core has just read beat the loop's
+    (32 KiB into the small regime's slot, at 2 ranks, copies faster with memcpy).
 
     ``distance``: the target's address less the source's, where the caller knows it (reading
-    two arrays' addresses took 5 of the 8 us a call of this costs, a few thousand times per
+    two arrays' addresses is most of what a call of this costs, a few thousand times per
     binding of a 64 MiB chunked plan).
     """
     target, source = target.view(np.uint8), source.view(np.uint8)
@@ -263,7 +263,7 @@ class ShmPlan(_PlanBase):
                 revoked then (:class:`CommunicatorRevoked` on every rank from then on).
         """
         state = self._state
-        bound = False  # the small regime's bound closures, checked here (1.3 us less at 8 B)
+        bound = False  # the small regime's bound closures, checked here (cheaper at 8 B)
         if not self._freed and not self._broken and not state.broken:
             if timeout is None:
                 timeout = self.timeout

@@ -57,8 +57,8 @@ class SmallPlan(ShmPlan):
         rank = self._node.rank
         phase = self._phase
         # (copy_call: memcpy, but from 4 KiB NumPy's byte loop where the slot lies 1-63 bytes
-        # past the input modulo 4096, where memcpy's rep movsb runs 3-10x slower: slots start
-        # on a page, so an input ending just before one)
+        # past the input modulo 4096, where memcpy's rep movsb runs several times slower:
+        # slots start on a page, so an input ending just before one)
         load = [*phase("run", None, ()),
                 *phase("arrive", None, [copy_call(slots[rank], source)]),
                 *phase("wait", None, ())]
