@@ -53,6 +53,13 @@ def _memory_gib() -> float | None:
     return None
 
 
+def _library(text: str) -> str:
+    """MPI's library string cut to its name and version ("Open MPI v5.0.11", "MPICH 4.3.0")."""
+    first = text.replace("\x00", "").strip().splitlines()[0].split(",")[0]
+    words = first.replace("Version:", "").split()
+    return " ".join(words[:3])
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
@@ -75,7 +82,7 @@ def provenance(ranks: int, command: str | None = None) -> dict:
                    + (f", {mem} GiB" if mem else ""),
         "cpu": _cpu(),
         "cores": cores,
-        "mpi": " ".join(MPI.Get_library_version().replace("\x00", "").split()[:4]).rstrip(","),
+        "mpi": _library(MPI.Get_library_version()),
         "mpi4py": __import__("mpi4py").__version__,
         "numpy": numpy.__version__,
         "python": platform.python_version(),
