@@ -355,7 +355,7 @@ def state(comm: MPI.Intracomm, timeout: float | None = None, what: str = "allred
         return found
     # No lock here: the duplication is collective, and a process-wide lock held across it
     # would deadlock two threads that set up two communicators in different orders on
-    # different ranks. One communicator is used by one thread at a time (docs/usage.md, "Threads").
+    # different ranks. One communicator is used by one thread at a time (docs/howto/calls.md, "Threads").
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         private = _idup(comm, deadline, what)

@@ -35,12 +35,12 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
     schedules (or MPI's own, ``algorithm="native"``). Calls on one communicator match in call
     order on every rank, as MPI's collectives do.
 
-    The plan bound on the first call is kept (per communicator, bounded; docs/usage.md, "Call cost")
-    and reused while the same array objects, op, algorithm, topology and parameters come back
-    with the same shape and dtype: a repeated call costs the agreement check (if ``check``) and
-    the run. Pass ``recvbuf`` to benefit most: a result allocated per call is never cached,
-    though a small one (up to 64 KiB, C-contiguous NumPy input) is remembered by its shape, as
-    calls with fresh arrays are, and costs a staging copy more than a cached call.
+    The plan bound on the first call is kept (per communicator, bounded; docs/howto/calls.md, "Call
+    cost and caching") and reused while the same array objects, op, algorithm, topology and
+    parameters come back with the same shape and dtype: a repeated call costs the agreement check
+    (if ``check``) and the run. Pass ``recvbuf`` to benefit most: a result allocated per call is
+    never cached, though a small one (up to 64 KiB, C-contiguous NumPy input) is remembered by its
+    shape, as calls with fresh arrays are, and costs a staging copy more than a cached call.
 
     Args:
         sendbuf: C- or Fortran-contiguous array (or buffer-protocol / CPU DLPack object), or
@@ -63,7 +63,7 @@ def allreduce(sendbuf, recvbuf=None, op=MPI.SUM, comm=None, algorithm="auto", to
             first call's set-up too; give it on every rank or none. After a timeout,
             mpiallreduce refuses further calls and plans on ``comm``.
         reproducible: the same result bits for every algorithm, topology and rank order
-            (SUM and AVG on float and complex dtypes; :mod:`.reproducible`, docs/usage.md
+            (SUM and AVG on float and complex dtypes; :mod:`.reproducible`, docs/howto/numerics.md
             "Reproducible sums"). Pass the same value on every rank.
         params: parameters of the named algorithm's schedule, e.g. ``segment_bytes=`` for
             ``ring_segmented``, ``inner=`` and ``intra=`` (``"auto"``: shared memory inside

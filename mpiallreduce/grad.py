@@ -98,7 +98,7 @@ class GradSync:
             but a private array a chunk at a time, with a handshake per chunk, and which costs
             less, the copies into the buckets and out or the handshakes, changed from one job
             to the next on the same machine, as did whether MPI's own in-place reduction of
-            each array (the loop GradSync replaces) beat both (docs/training.md). So there it
+            each array (the loop GradSync replaces) beat both (docs/tutorials/training.md). So there it
             times the first :data:`PROBE_STEPS` steps of each way, ``"packed"``, ``"solo"``
             and (with ``algorithm="auto"``) ``"native"``: the arrays as ``"solo"`` with
             ``native`` plans (with each overlap mode, where ``overlap`` is ``"auto"`` too),

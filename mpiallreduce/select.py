@@ -231,7 +231,7 @@ LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "off", 5, 0
 #: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
 #: times slower than its fastest are not (the model ranks; the machine decides). Six: with
 #: four, the algorithm that measured best was often no candidate at all where the model puts
-#: five schedules within 20% of each other (docs/usage.md, learning on the machine at hand).
+#: five schedules within 20% of each other (docs/tutorials/choosing.md, learning).
 LEARN_CANDIDATES, LEARN_MARGIN = 6, 2.0
 
 
@@ -272,7 +272,7 @@ def learn_candidates(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
     leaving out any predicted more than :data:`LEARN_MARGIN` times slower than the model's
     fastest; at most :data:`LEARN_CANDIDATES`. Schedules the model predicts alike (at 2 ranks
     ring and rabenseifner send the same messages) are each timed: their code is not alike, and
-    one measured faster than the other where only one was timed (docs/usage.md). The
+    one measured faster than the other where only one was timed (docs/tutorials/choosing.md). The
     same on every rank for the same arguments; memoized per power-of-two size."""
     bucket = 1 << (max(int(nbytes), 1).bit_length() - 1)
     return _learn_candidates(nranks, bucket, reducer.commutative,

@@ -139,7 +139,7 @@ def test_a_timeout_on_some_ranks_only(algorithm, entry):
 @pytest.mark.parametrize("entry", ["allreduce", "unchecked", "plan", "iallreduce"])
 def test_native_with_a_timeout_never_returns_an_abandoned_contribution(entry):
     # (without timeout= the late ranks would wait in MPI's own blocking Allreduce, which
-    # nothing can interrupt: docs/usage.md, "Faults")
+    # nothing can interrupt: docs/howto/errors.md, "What cannot be interrupted")
     _abandon_then_call_again("native", SIZES["8B"], entry, HANG)
 
 

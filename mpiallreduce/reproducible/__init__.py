@@ -18,7 +18,7 @@ schedules' ``np.add`` give the same words in any order. The words are made with 
 constants (``hi = (x + M) - M`` with ``M = 1.5 * 2**(e_max - 42 + 52)``, then the same on
 ``x - hi``, both exact) and the result is ``HI + LO``: one rounding, no scaling back. Why two
 words and not three: the words are what the algorithm moves, so their bytes are the cost at
-large sizes (2x the data with 2 words, 3x with 3; docs/usage.md, "Reproducible sums"). Why not
+large sizes (2x the data with 2 words, 3x with 3; docs/howto/numerics.md, "Reproducible sums"). Why not
 binned floating-point accumulators (ReproBLAS): merging bins of different exponents needs a
 user-defined combine, a Python callback in every step of every algorithm (and not MPI's
 optimised SUM), or a fixed grid of bins over the whole exponent range, ~25 words per value.

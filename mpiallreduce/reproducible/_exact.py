@@ -23,7 +23,7 @@ is; the others go round unscaled).
   block's largest gave (a block that needs more is buffered and goes the long way), the words
   accumulated in a carry-save integer of 30-bit digits. Close to ``np.dot``'s time for a dot
   product, where the NumPy form takes an order of magnitude more (``scripts/reproducible_cost.py
-  --dot`` measures it; docs/usage.md, "Reproducible sums").
+  --dot`` measures it; docs/howto/numerics.md, "Reproducible sums").
 """
 
 from __future__ import annotations

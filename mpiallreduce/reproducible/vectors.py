@@ -176,7 +176,7 @@ def sum(local, comm=None, algorithm: str = "auto"):  # noqa: A001 - the public n
 
     Returns:
         The sum as a NumPy scalar of the dtype: the exact sum correctly rounded, IEEE special
-        values as addition gives them (docs/usage.md, "Reproducible sums").
+        values as addition gives them (docs/howto/numerics.md, "Reproducible sums").
 
     Cost: one compiled pass over the data (Numba; about 12 NumPy passes without it, in chunks
     that stay in cache), the argument check and one integer SUM of 472 bytes per component.

@@ -1,4 +1,4 @@
-"""Non-blocking requests at a given MPI thread level (the progress rules of docs/usage.md).
+"""Non-blocking requests at a given MPI thread level (the progress rules of docs/howto/calls.md).
 
 Run as ``mpirun -n 2 python -m mpi4py nonblocking_levels.py LEVEL`` with LEVEL one of
 ``single``, ``serialized``, ``multiple`` (``mpi4py.rc.thread_level``). Every rank prints
