@@ -44,7 +44,7 @@ LAYERS = {
     "select": "choice", "model": "choice",
     # calls: the one call path (normalise, cache, agree, bind) and the non-blocking entry points
     "_plans": "calls", "_agree": "calls", "_checks": "calls", "_state": "calls",
-    "_buffers": "calls", "nonblocking": "calls", "_callpath": "calls", "learn": "calls",
+    "_buffers": "calls", "nonblocking": "calls", "learn": "calls",
     # face: what users call
     "": "face", "api": "face", "collectives": "face", "comm": "face", "_requests": "face",
     "reproducible": "face", "grad": "face", "compression": "face", "tracing": "face",

@@ -3,7 +3,7 @@ and the memory of shared arrays (:class:`SharedBlock`).
 
 The ranks of a communicator on one node share memory from ``MPI.Win.Allocate_shared``:
 
-- a *header* per rank (:data:`.protocol.HEADER_BYTES`, two cache lines of its own): a
+- a *header* per rank (:data:`.protocol.HEADER_BYTES`, four cache lines of its own): a
   counter word (the last step this rank published), then the call's signature, double-buffered
   by call parity, then the chunk-step word of the large regime;
 - *data slots* per rank, one per parity (:mod:`.protocol` defines epoch, parity slot, publish

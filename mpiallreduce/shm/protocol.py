@@ -33,8 +33,9 @@ from ..ops import DTYPES, OP_NAMES
 # this module too, which the functions below pass on, so that setting one here (``shm.X =``,
 # as tests do) changes what the transport does.
 
-#: bytes of each rank's header: counter, then two signatures (call parity), padded to two
-#: 64-byte lines so that a peer's adjacent-line prefetch never pulls in another rank's header.
+#: bytes of each rank's header: counter, then two signatures (call parity), padded to four
+#: 64-byte lines (two prefetch pairs) so that a peer's adjacent-line prefetch never pulls in
+#: another rank's header.
 HEADER_BYTES = 256
 #: int64 words of a signature area (one per call parity): its kind, a digest of the whole, then
 #: the fields (a peer compares the digest word alone on the hot path). A data
