@@ -2,7 +2,7 @@
 """Our best algorithm against the strongest native configuration, and the local memory floor.
 
     scripts/native_sweep.py [--ranks 2] [--sizes 8,64K,8M,64M] [--repeats 3] [--json FILE]
-                            [-- BENCH ARGS]
+                            [--results NAME | --no-results] [-- BENCH ARGS]
 
 Runs ``python -m mpiallreduce.bench`` (float64 SUM, every algorithm) under ``mpirun`` once per
 native configuration, out of place and in place, ``--repeats`` times:
@@ -22,6 +22,11 @@ allreduce cannot avoid on a single-copy transport, (p-1)/p·n elements received 
 (p-1)/p·n elements, NumPy on every rank at once after a barrier (the slowest rank's median).
 Times are medians over the repeats. On a shared machine the numbers are noisy: rerun before
 believing a single row.
+
+``--results NAME`` (default ``native_sweep``; ``--results ''`` or ``--no-results`` writes none,
+and a run under pytest writes none unless named) writes ``docs/results/NAME.json``
+(``scripts/_results.py``): per size and mode our best algorithm over Open MPI's (or MPICH's)
+default and over the strongest native configuration.
 
 Exit status: 0, or the first non-zero status of a bench run.
 """
@@ -206,6 +211,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write every median here (default: none)")
     parser.add_argument("--timeout", type=float, default=600,
                         help="seconds per bench run (default: 600)")
+    parser.add_argument("--results", default=None, metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: native_sweep, "
+                             "none under pytest)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     parser.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("bench_args", nargs="*", help="after --: more bench arguments")
     args = parser.parse_args(argv)
@@ -249,7 +259,51 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump({"library": library, "ranks": args.ranks, "repeats": args.repeats,
                        "floor_us": floor, "results": results}, file, indent=1)
+    name = args.results
+    if name is None:  # a test's tiny sweep must not replace the measured file
+        name = "" if "PYTEST_CURRENT_TEST" in os.environ else "native_sweep"
+    if name:
+        write_results(name, results, library, args)
     return status
+
+
+def write_results(name: str, results: dict[str, dict[int, dict]], library: str, args) -> None:
+    """Write the reader's table: per size and mode, our best over the default and the strongest."""
+    from _results import write
+
+    rows, values = [], {}
+    for size in sorted({size for summary in results.values() for size in summary}):
+        for mode, summary in results.items():
+            s = summary.get(size)
+            if s is None or not s["ours"]:
+                continue
+            default = s["ours_us"] / s["default_native_us"] if s["default_native_us"] else None
+            strongest = s["ours_us"] / s["native_us"]
+            short_size = human(size)
+            rows.append([f"{size} B" if not short_size[-1].isalpha()
+                         else f"{short_size[:-1]} {short_size[-1]}iB",
+                         "in place" if mode == "in_place" else "out of place", s["ours"],
+                         s["native_config"], default, strongest])
+            short, key = "in" if mode == "in_place" else "out", short_size
+            key = key if key[-1].isalpha() else f"{key}B"
+            values[f"{short}_vs_strongest_{key}"] = round(strongest, 3)
+            if default is not None:
+                values[f"{short}_vs_default_{key}"] = round(default, 3)
+    mpi = library.split(",")[0].strip()
+    bench = list(args.bench_args)
+    chosen = next((a.split("=", 1)[1] for a in bench if a.startswith("--algorithms=")), None)
+    if "--algorithms" in bench[:-1]:
+        chosen = bench[bench.index("--algorithms") + 1]
+    notes = (f"Our fastest algorithm's time over {mpi}'s default Allreduce and over its strongest "
+             f"configuration at that size (float64 SUM), medians of {args.repeats} runs of each "
+             f"configuration; below 1 ours is faster"
+             + (f"; ours: the best of {chosen.replace(',', ', ')}" if chosen else "") + ".")
+    path = write(name, "Our best algorithm against MPI's default and its strongest configuration",
+                 columns=["size", "mode", "our best", "strongest native", "ours / default",
+                          "ours / strongest"], rows=rows,
+                 formats=["{}", "{}", "{}", "{}", "{:.2f}", "{:.2f}"], ranks=args.ranks,
+                 values=values, notes=notes)
+    print(f"# wrote {path.relative_to(ROOT)}", flush=True)
 
 
 if __name__ == "__main__":
