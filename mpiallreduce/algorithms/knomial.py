@@ -8,12 +8,10 @@ groups on the right in rank order (``local ∘ child 1 ∘ ... ∘ child k-1``),
 is kept and non-commutative ops are exact; rank 0 computes the result once and everyone
 receives a copy, so results are bit-identical. ``k = 2`` is :mod:`tree`.
 
-Default radix :data:`RADIX` = 4, measured at 4 ranks on the 2-core VM these pages were written
-on (``mpirun -n 4 python -m mpi4py -m mpiallreduce.tune --sizes 8:1M --compare
-k2=knomial:k=2 k3=knomial:k=3 k4=knomial:k=4 k5=knomial:k=5``, float64 SUM, medians of 5
-interleaved rounds): from 8 B to 16 KiB k=4 took 26-70 µs against k=2's 34-101 µs (1.1-1.5x
-faster; 32 KiB even), k=3 in between, and k=5 is k=4's tree at 4 ranks; from 64 KiB the ranks
-tied within noise, and at 1 MiB k=2 won (1.00 ms against 1.18 ms), as the (k-1)nβ term says.
+Default radix :data:`RADIX` = 4, chosen by timing the radixes against each other at 4 ranks
+(``mpirun -n 4 python -m mpi4py -m mpiallreduce.tune --sizes 8:1M --compare
+k2=knomial:k=2 k3=knomial:k=3 k4=knomial:k=4 k5=knomial:k=5``): up to 16 KiB k=4 was the
+fastest, from 64 KiB the radixes tied, and at 1 MiB k=2 won, as the (k-1)nβ term says.
 So k=4 for the small messages this algorithm is for; pass ``k=2`` (or use ``tree``) for large.
 
 Cost: 2⌈log_k p⌉(α + (k-1)nβ) + ⌈log_k p⌉(k-1)nγ — fewer rounds than :mod:`tree` (the α term)
