@@ -23,11 +23,9 @@ Segment size: ``segment_bytes`` with the element size ``itemsize`` that
 :data:`MIN_SEGMENT_BYTES` (256 KiB: a step's interpreter cost stays small against its
 transfer) and at most half of :data:`CACHE_BYTES` (so a segment, its scratch twin and the
 range it reduces into stay in a core's L2 cache while the next segment is in flight).
-Measured at 2 ranks on the 2-core VM (Xeon, 2 MiB L2 per core; float64 SUM, out of place,
-``python -m mpiallreduce.tune --compare``, medians of 5 interleaved rounds, two runs): 256 KiB
-was fastest or within 1% from 256 KiB to 16 MiB (16 KiB segments 1.5-1.8x slower, 64 KiB
-1.1-1.2x, 1-4 MiB up to 1.1-1.2x at 8 MiB); at 32 MiB 512 KiB won by 4% and at 64 MiB 1 MiB
-by 8% (second run: 256 KiB ahead, the machine was busy). The rule follows those figures. The
+The rule follows a comparison of segment sizes at 2 ranks (``python -m mpiallreduce.tune
+--compare``, out of place): 256 KiB was the fastest or tied from 256 KiB to 16 MiB, where
+much smaller segments pay a step's cost too often and much larger ones leave the cache. The
 cache size is a constant, not read from the machine, because every rank must build the same
 schedule. Pass ``segment_bytes`` to override, e.g. a small value to force many segments on a
 small count (the tests do): ``mar.allreduce(x, algorithm="ring_segmented", segment_bytes=64)``.
