@@ -128,8 +128,9 @@ def check_algorithm(name, red: Reducer | None, collective: str = "allreduce") ->
     registry = algorithms.COLLECTIVES[collective]
     if registry[name].commutative_only:
         keep = [n for n, a in registry.items() if not a.commutative_only]
+        keep += [n for n in UNSCHEDULED if n in names and n != "auto"]
         raise ValueError(f"algorithm {name!r} reorders operands and needs a commutative op; "
-                         f"for a non-commutative op use one of {', '.join(keep + ['native'])}")
+                         f"for a non-commutative op use one of {', '.join(keep)}")
 
 
 def check_params(name: str, params: dict, collective: str = "allreduce") -> None:
