@@ -1,7 +1,7 @@
 """What a call costs against ``comm.Allreduce``: the bench's ``--api`` rows, medians of repeats.
 
     python scripts/call_cost.py [--ranks 2 4] [--sizes 8 64K 8M] [--repeat 3]
-        [--algorithms native,recursive_doubling] [--trace]
+        [--algorithms native,recursive_doubling] [--trace] [--results NAME | --no-results]
 
 For every rank count and size, runs ``python -m mpiallreduce.bench --api plan,call,...`` (every
 call mode: plan, one-shot call with and without check, start, iallreduce, the drop-in's
@@ -15,6 +15,10 @@ row over its reference in the same job (median [min-max] over the repeats): ``st
 check), and ``comm-init`` over plain ``comm.Allreduce_init``.
 ``--trace`` runs the bench with ``--trace`` (its timed schedule runs recorded, the file
 discarded): the cost of tracing, against the same untraced reference.
+``--results NAME`` (default ``call_cost``; ``--results ''`` or ``--no-results`` writes none)
+writes ``docs/results/NAME.json`` (``scripts/_results.py``): per size, the one-shot call with and
+without check, the plan's run and ``mar.Comm``'s ``Allreduce`` of ``auto`` (or the first
+algorithm other than ``native``), each over ``comm.Allreduce`` (median over the repeats).
 Needs the venv's mpirun (or one on PATH); sets Open MPI's variables for root and
 oversubscription as the Makefile does.
 """
@@ -51,6 +55,22 @@ PAIRS = (("start", "plan", (1.5, 2.0)), ("iallreduce", "call", (1.5, 2.0)),
          ("comm-init", "comm.Allreduce_init", (1.5, None)))
 #: algorithms whose runs are MPI's own collective or the shared-memory transport
 NATIVE_OR_SHM = ("native", "auto", "shm")
+#: the call modes the result file keeps (``--results``), with how a reader writes each call
+RESULT_MODES = (("call", "`mar.allreduce(x, out)` (defaults, check=True)", "allreduce"),
+                ("call-nocheck", "`mar.allreduce(x, out, check=False)`", "allreduce_nocheck"),
+                ("plan", "`mar.plan(x, out).run()`", "plan"),
+                ("comm", "`mar.Comm(comm).Allreduce`", "comm"))
+
+
+def _size_label(size: str) -> str:
+    """``64K`` -> ``64 KiB``, ``8`` -> ``8 B``: a column head."""
+    units = {"K": "KiB", "M": "MiB", "G": "GiB"}
+    return f"{size[:-1]} {units[size[-1].upper()]}" if size[-1].upper() in units else f"{size} B"
+
+
+def _size_key(size: str) -> str:
+    """``64K`` -> ``64K``, ``8`` -> ``8B``: the suffix of a value's name."""
+    return size.upper() if size[-1].isalpha() else f"{size}B"
 
 
 def _row(rows: list[dict], algorithm: str, api: str) -> float | None:
@@ -94,12 +114,17 @@ def main(argv=None) -> int:
                         help="the bench's --api modes to time (default: all of them)")
     parser.add_argument("--trace", action="store_true",
                         help="trace the timed runs (bench --trace): what tracing costs")
+    parser.add_argument("--results", default="call_cost", metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: call_cost)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.rounds < 1:
         parser.error("--repeat and --rounds must be at least 1")
     print(f"# {args.dtype}; time / comm.Allreduce (same run), median [min-max] of {args.repeat} runs"
           + (", schedules traced (bench --trace)" if args.trace else ""))
     print(f"# {'ranks':>5} {'size':>6} {'row':<34} {'ratio':>7}  spread          median us")
+    medians: dict[tuple[int, str, str], float] = {}
     for ranks in args.ranks:
         for size in args.sizes:
             runs = [bench(ranks, size, args.algorithms, args.iterations, args.api, args.trace,
@@ -112,11 +137,45 @@ def main(argv=None) -> int:
                     mine = next(r["avg_us"] for r in rows if r["algorithm"] == label)
                     ratios.append(mine / base)
                     times.append(mine)
+                medians[ranks, size, label] = statistics.median(ratios)
                 print(f"  {ranks:>5} {size:>6} {label:<34} {statistics.median(ratios):>7.2f}  "
                       f"[{min(ratios):.2f}-{max(ratios):.2f}]  {statistics.median(times):>12.2f}",
                       flush=True)
             _targets(ranks, size, args.algorithms.split(","), runs)
+    if args.results:
+        _write_results(args, medians)
     return 0
+
+
+def _write_results(args, medians: dict[tuple[int, str, str], float]) -> None:
+    """Write the reader's table: per rank count and call mode, each size's ratio."""
+    from _results import write
+
+    algorithms = [a for a in args.algorithms.split(",") if a != "native"]
+    algorithm = "auto" if "auto" in algorithms else (algorithms[0] if algorithms else "native")
+    modes = [m for m in RESULT_MODES if m[0] in args.api.split(",")]
+    rows, values = [], {}
+    for ranks in args.ranks:
+        for mode, text, key in modes:
+            label = mode if mode.startswith("comm.") else (
+                algorithm if mode == "plan" else f"{algorithm}/{mode}")
+            cells = [medians.get((ranks, size, label)) for size in args.sizes]
+            if all(c is None for c in cells):
+                continue
+            head = text if algorithm == "auto" else f"{text} ({algorithm})"
+            rows.append(([f"{head}, {ranks} ranks"] if len(args.ranks) > 1 else [head]) + cells)
+            if ranks == args.ranks[0]:
+                values.update({f"{key}_{_size_key(size)}": round(c, 3)
+                               for size, c in zip(args.sizes, cells) if c is not None})
+    columns = ["time / comm.Allreduce"] + [_size_label(s) for s in args.sizes]
+    notes = (f"Each call's time over comm.Allreduce's in the same job ({algorithm}, {args.dtype} "
+             f"SUM, out of place), median over {args.repeat} jobs of {args.rounds} interleaved "
+             f"rounds each" + ("; the timed runs traced" if args.trace else "") + ".")
+    path = write(args.results, "What one call costs against comm.Allreduce", columns=columns,
+                 rows=rows, formats=["{}"] + ["{:.2f}"] * len(args.sizes),
+                 ranks=args.ranks[0] if len(args.ranks) == 1 else ", ".join(map(str, args.ranks)),
+                 values=values, notes=notes)
+    print(f"# wrote {path.relative_to(path.parent.parent.parent)}")
 
 
 def _targets(ranks: int, size: str, algorithms: list[str], runs: list[list[dict]]) -> None:
