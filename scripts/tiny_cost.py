@@ -1,7 +1,7 @@
 """What a tiny reduction costs through mpiallreduce against plain mpi4py: issue 36's table.
 
     python scripts/tiny_cost.py [--jobs openmpi:2 openmpi:4 mpich:2] [--rounds 15]
-        [--python]
+        [--python] [--results NAME | --no-results]
 
 Each job (``LIBRARY:RANKS``: the venv of that MPI library, ``.venv`` for Open MPI at its
 defaults and ``.venv-mpich`` for MPICH, under its own mpirun) runs every row of the issue's
@@ -13,6 +13,10 @@ and the issue's target. ``--python`` runs every job with ``MPIALLREDUCE_COMPILED
 pure-Python form) as well, one row table per form. The form, the MPI library and ``uptime``
 head each table: timings on a loaded machine are noise, ratios within one job less so.
 
+``--results NAME`` (default ``tiny_cost``; ``--results ''`` or ``--no-results`` writes none)
+writes ``docs/results/NAME.json`` (``scripts/_results.py``): the rows of :data:`RESULT_ROWS`
+(the 8-byte call variants, the heat step and the CG iteration), one ratio column per job.
+
 Open MPI runs at its defaults (``OMPI_MCA_mpi_yield_when_idle`` is never set: Open MPI sets
 it itself where ranks outnumber cores); run as root and oversubscribed as the Makefile does.
 """
@@ -20,11 +24,13 @@ it itself where ranks outnumber cores); run as root and oversubscribed as the Ma
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,6 +40,25 @@ OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM":
 VENVS = {"openmpi": ".venv", "mpich": ".venv-mpich"}
 #: the 64 KiB and larger sizes (float64 elements) that must not get slower
 LARGE = (8 << 10, 128 << 10, 1 << 20)
+#: the rows the result file keeps (``--results``): label -> (the reader's row, value name)
+RESULT_ROWS = {
+    "mar.allreduce(x, out) / comm.Allreduce":
+        ("`mar.allreduce(x, out)` / `comm.Allreduce`", "allreduce_8B"),
+    "mar.allreduce(x) fresh / Allreduce(x, empty_like(x))":
+        ("`mar.allreduce(x)` (fresh array) / `comm.Allreduce(x, np.empty_like(x))`", "fresh_8B"),
+    "mar.Comm.Allreduce in place / plain":
+        ("`mar.Comm.Allreduce`, in place / plain", "comm_in_place_8B"),
+    "mar.Comm.Allreduce out of place / plain":
+        ("`mar.Comm.Allreduce`, out of place / plain", "comm_8B"),
+    "mar.Comm.Allreduce(IN_PLACE, new spec) / plain":
+        ("`mar.Comm.Allreduce` on a new buffer spec per call / plain", "new_spec_8B"),
+    "start(plan).wait() / plan.run()":
+        ("`mar.start(plan).wait()` / `plan.run()`", "start_8B"),
+    "heat step via mar.Comm / plain":
+        ("heat-equation step through `mar.Comm` / plain mpi4py", "heat_step"),
+    "examples/conjugate_gradient.py per iteration":
+        ("`examples/conjugate_gradient.py`, per iteration / plain", "cg_iteration"),
+}
 
 
 # -- inside the job -----------------------------------------------------------------------------------
@@ -130,7 +155,7 @@ def block_time(comm, call, iterations: int, returns_time: bool) -> float:
 _MAX = None
 
 
-def inner(rounds: int) -> None:
+def inner(rounds: int, json_path: str | None = None) -> None:
     global _MAX
     import numpy as np
     from mpi4py import MPI
@@ -174,11 +199,17 @@ def inner(rounds: int) -> None:
             print(f"{label:56s} {ratio:6.2f} [{low:5.2f}-{high:5.2f}] {'<= ' + str(target):>7s} "
                   f"{mine:8.2f} {theirs:8.2f}{mark}")
         print("(* above the target)", flush=True)
+        if json_path:
+            with open(json_path, "w", encoding="utf-8") as file:
+                json.dump({"form": _form.describe(), "library": library, "rounds": rounds,
+                           "rows": {label: statistics.median(v[0] for v in values)
+                                    for (label, _, _, _), values in zip(table, ratios)}}, file)
 
 
 # -- the launcher --------------------------------------------------------------------------------------
 
-def launch(library: str, ranks: int, rounds: int, python_form: bool) -> int:
+def launch(library: str, ranks: int, rounds: int, python_form: bool,
+           json_path: str | None = None) -> int:
     venv = ROOT / VENVS[library]
     mpirun, python = venv / "bin" / "mpirun", venv / "bin" / "python"
     if not python.exists():
@@ -192,7 +223,7 @@ def launch(library: str, ranks: int, rounds: int, python_form: bool) -> int:
     print(f"\n## {library} -n {ranks}{' (MPIALLREDUCE_COMPILED=0)' if python_form else ''}; "
           f"uptime: {uptime}", flush=True)
     command = [str(mpirun), "-n", str(ranks), str(python), "-m", "mpi4py", __file__, "--inner",
-               "--rounds", str(rounds)]
+               "--rounds", str(rounds)] + (["--json", json_path] if json_path else [])
     return subprocess.run(command, env=env, timeout=600).returncode
 
 
@@ -203,19 +234,59 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--python", action="store_true",
                         help="also run each job with MPIALLREDUCE_COMPILED=0")
+    parser.add_argument("--results", default="tiny_cost", metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: tiny_cost)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:
-        inner(args.rounds)
+        inner(args.rounds, args.json)
         return 0
     status = 0
-    for job in args.jobs:
-        library, _, ranks = job.partition(":")
-        if library not in VENVS:
-            parser.error(f"unknown library {library!r} in {job!r}: openmpi or mpich")
-        for python_form in (False, True) if args.python else (False,):
-            status |= launch(library, int(ranks or 2), args.rounds, python_form)
+    measured: list[tuple[str, dict]] = []  # (column, the inner job's ratios)
+    with tempfile.TemporaryDirectory() as folder:
+        for job in args.jobs:
+            library, _, ranks = job.partition(":")
+            if library not in VENVS:
+                parser.error(f"unknown library {library!r} in {job!r}: openmpi or mpich")
+            for python_form in (False, True) if args.python else (False,):
+                path = os.path.join(folder, f"{len(measured)}-{library}-{ranks}-{python_form}.json")
+                status |= launch(library, int(ranks or 2), args.rounds, python_form, path)
+                if os.path.exists(path):
+                    with open(path, encoding="utf-8") as file:
+                        job_rows = json.load(file)
+                    name = "Open MPI" if library == "openmpi" else "MPICH"
+                    column = (f"{name}, {int(ranks or 2)} ranks"
+                              + (" (pure Python)" if python_form else ""))
+                    measured.append((column, job_rows))
+    if args.results and measured:
+        write_results(args, measured)
     return status
+
+
+def write_results(args, measured: list[tuple[str, dict]]) -> None:
+    """Write the reader's table: the rows of RESULT_ROWS, one ratio column per job."""
+    from _results import write
+
+    rows, values = [], {}
+    for label, (text, key) in RESULT_ROWS.items():
+        rows.append([text] + [job["rows"].get(label) for _, job in measured])
+        for i, (column, job) in enumerate(measured):
+            if job["rows"].get(label) is not None:
+                suffix = "" if i == 0 else "_" + "".join(c for c in column.lower() if c.isalnum())
+                values[key + suffix] = round(job["rows"][label], 3)
+    ranks = sorted({int(job.partition(":")[2] or 2) for job in args.jobs})
+    notes = (f"8-byte float64 SUM unless named; each row's time over its reference's in the same "
+             f"job, median of {args.rounds} interleaved rounds (blocks of ~3 ms, the slower "
+             f"rank's time); call path: {measured[0][1]['form']}.")
+    path = write(args.results, "What a tiny reduction costs against plain mpi4py",
+                 columns=["row / reference"] + [column for column, _ in measured], rows=rows,
+                 formats=["{}"] + ["{:.2f}"] * len(measured),
+                 ranks=ranks[0] if len(ranks) == 1 else ", ".join(map(str, ranks)),
+                 values=values, notes=notes)
+    print(f"# wrote {path.relative_to(ROOT)}", flush=True)
 
 
 if __name__ == "__main__":
