@@ -1,7 +1,7 @@
 """shm's small regime with its reduce in C against NumPy's ufunc calls, and MPI's Allreduce.
 
     mpirun -n 2 python -m mpi4py scripts/shm_small_cost.py [--sizes 256,1K,2K,4K,16K,64K,128K]
-        [--rounds 5] [--dtype float64]
+        [--rounds 5] [--dtype float64] [--results NAME | --no-results]
 
 In one job, per size: a ``shm`` plan as the compiled call path binds it (load and reduce in
 C for float32/float64), the same plan with its reduce left to NumPy's ufuncs (what every
@@ -10,6 +10,8 @@ op name), and ``comm.Allreduce``; rounds whose order rotates, a batch of runs ea
 rank's mean per round, medians over rounds in microseconds, and their ratios. Both plans'
 results are checked against every rank's input summed in rank order with NumPy (shm's order;
 MPI's may differ past 2 ranks). Needs the compiled form (``python -m mpiallreduce`` says).
+``--results NAME`` (default ``shm_small_cost``; ``--results ''`` or ``--no-results`` writes
+none) writes ``docs/results/NAME.json`` (``scripts/_results.py``) on rank 0: the table above.
 """
 
 from __future__ import annotations
@@ -44,11 +46,46 @@ def _plan(x, y, comm, numpy_reduce: bool):
         _form.compiled.SmallRun = compiled
 
 
+def _label(nbytes: int) -> tuple[str, str]:
+    """(column text, value suffix) of a size: ``2048`` -> ``2 KiB``, ``2K``."""
+    if nbytes >= 1024 and nbytes % 1024 == 0:
+        return f"{nbytes >> 10} KiB", f"{nbytes >> 10}K"
+    return f"{nbytes} B", f"{nbytes}B"
+
+
+def write_results(opts, comm, table: list[list]) -> None:
+    """Write the reader's table (rank 0): per size, the times and the two ratios."""
+    from _results import write
+
+    values = {}
+    for label, _, _, numpy_ratio, native_ratio in table:
+        key = _label(int(label))[1] if label.isdigit() else label
+        values[f"c_vs_numpy_{key}"] = round(numpy_ratio, 3)
+        values[f"c_vs_native_{key}"] = round(native_ratio, 3)
+    for name, column in (("c_vs_numpy_range", 3), ("c_vs_native_range", 4)):
+        ratios = [row[column] for row in table]
+        values[name] = f"{min(ratios):.2f}-{max(ratios):.2f}"
+    rows = [[_label(int(r[0]))[0]] + r[1:] for r in table]
+    notes = (f"{opts.dtype} SUM, out of place: a shm plan's run with its reduce in C, and over "
+             f"the same plan reducing with NumPy's ufuncs and over comm.Allreduce; medians of "
+             f"{opts.rounds} rounds in rotating order (the slowest rank's mean per round).")
+    path = write(opts.results, "shm's small regime: the reduce in C against NumPy and MPI",
+                 columns=["size", "C reduce (us)", "comm.Allreduce (us)", "C / NumPy",
+                          "C / comm.Allreduce"], rows=rows,
+                 formats=["{}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"], ranks=comm.size,
+                 values=values, notes=notes)
+    print(f"# wrote docs/results/{path.name}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1K,2K,4K,16K,64K,128K")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="float64", choices=("float32", "float64"))
+    parser.add_argument("--results", default="shm_small_cost", metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: shm_small_cost)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     opts = parser.parse_args()
     comm = MPI.COMM_WORLD
     if _form.compiled is None:
@@ -58,6 +95,7 @@ def main() -> None:
               f"{os.getloadavg()[0]:.2f}; medians in us (slowest rank's mean per round)")
         print(f"{'bytes':>8} {'C reduce':>9} {'NumPy':>9} {'native':>9} {'C/NumPy':>8} "
               f"{'C/native':>9}")
+    table = []
     for nbytes in parse_sizes(opts.sizes):
         count = max(nbytes // np.dtype(opts.dtype).itemsize, 1)
         x = np.random.default_rng(comm.rank).random(count).astype(opts.dtype)
@@ -93,6 +131,10 @@ def main() -> None:
         if comm.rank == 0:
             print(f"{nbytes:>8} {med['C']:>9.2f} {med['NumPy']:>9.2f} {med['native']:>9.2f} "
                   f"{med['C'] / med['NumPy']:>8.2f} {med['C'] / med['native']:>9.2f}")
+            table.append([str(nbytes), med["C"], med["native"], med["C"] / med["NumPy"],
+                          med["C"] / med["native"]])
+    if comm.rank == 0 and opts.results and table:
+        write_results(opts, comm, table)
 
 
 if __name__ == "__main__":
