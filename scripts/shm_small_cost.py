@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from functools import partial
 
 import numpy as np
@@ -53,6 +54,11 @@ def _label(nbytes: int) -> tuple[str, str]:
     return f"{nbytes} B", f"{nbytes}B"
 
 
+def mpirun_command(ranks: int) -> str:
+    """The command that ran this script, as a reader would type it (the result's provenance)."""
+    return f"mpirun -n {ranks} python -m mpi4py " + " ".join(sys.argv)
+
+
 def write_results(opts, comm, table: list[list]) -> None:
     """Write the reader's table (rank 0): per size, the times and the two ratios."""
     from _results import write
@@ -73,7 +79,8 @@ def write_results(opts, comm, table: list[list]) -> None:
                  columns=["size", "C reduce (us)", "comm.Allreduce (us)", "C / NumPy",
                           "C / comm.Allreduce"], rows=rows,
                  formats=["{}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"], ranks=comm.size,
-                 values=values, notes=notes)
+                 values=values, notes=notes,
+                 command=mpirun_command(comm.size))
     print(f"# wrote docs/results/{path.name}", flush=True)
 
 
