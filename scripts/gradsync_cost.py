@@ -2,6 +2,7 @@
 
     mpirun -n 2 python -m mpi4py scripts/gradsync_cost.py [--case mlp|layers] [--features 512]
         [--hidden 1024] [--steps 30] [--rounds 3] [--bucket-bytes 4194304]
+        [--results NAME | --no-results]
 
 ``--case mlp`` (the default): examples/data_parallel.py's model and data (a two-layer MLP;
 512 x 1024 makes the gradients 4 MiB of float64). ``--case layers``: issue 37's case, two
@@ -17,6 +18,9 @@ the worst round). Run it with ``OPENBLAS_NUM_THREADS=1`` and without (BLAS at it
 thread count): issue 37's target is <= 1.0x plain in both, with and without overlap.
 ``--views``: each GradSync mode trains a model of its own whose gradients are the sync's views
 of its buckets (``GradSync(views=True)``: nothing copied into the buckets or out).
+``--results NAME`` (default ``gradsync_cost``; ``--results ''`` or ``--no-results`` writes
+none) writes ``docs/results/NAME.json`` (``scripts/_results.py``) on rank 0: the table above,
+with the case and ``OPENBLAS_NUM_THREADS`` in its notes.
 """
 
 from __future__ import annotations
@@ -72,6 +76,39 @@ def layers(args, comm):
     return backprop
 
 
+#: mode label -> the name of its ratio to plain in the result file's values
+VALUE_NAMES = {"GradSync (overlap='auto')": "gradsync", "GradSync overlap=False": "overlap_false",
+               "GradSync overlap=True": "overlap_true", "GradSync packing=True": "packing_true",
+               "GradSync packing=False": "packing_false"}
+
+
+def mpirun_command(ranks: int) -> str:
+    """The command that ran this script, as a reader would type it (the result's provenance)."""
+    blas = os.environ.get("OPENBLAS_NUM_THREADS")
+    prefix = f"OPENBLAS_NUM_THREADS={blas} " if blas else ""
+    return prefix + f"mpirun -n {ranks} python -m mpi4py " + " ".join(sys.argv)
+
+
+def write_results(args, comm, table: list[list], gbytes: int, count: int, threads: str) -> None:
+    """Write the reader's table (rank 0): per mode, ms per step, ratio to plain, spread."""
+    from _results import write
+
+    values = {VALUE_NAMES[label]: round(ratio, 3) for label, _, ratio, _ in table
+              if label in VALUE_NAMES}
+    rows = [[f"`{label}`" if label.startswith("GradSync") else label, ms, ratio, spread]
+            for label, ms, ratio, spread in table]
+    notes = (f"Case {args.case}{' with views=True' if args.views else ''}: gradients "
+             f"{gbytes / 2**20:.1f} MiB of float64 in {count} arrays; median step over "
+             f"{args.rounds} interleaved rounds x {args.steps} steps; spread: the worst round's "
+             f"slowest step / its median; OPENBLAS_NUM_THREADS={threads}.")
+    path = write(args.results, "GradSync against the plain per-gradient comm.Allreduce loop",
+                 columns=["mode", "ms per step", "/ plain", "spread"], rows=rows,
+                 formats=["{}", "{:.2f}", "{:.2f}", "{:.2f}"], ranks=comm.size, values=values,
+                 notes=notes,
+                 command=mpirun_command(comm.size))
+    print(f"# wrote docs/results/{path.name}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=("mlp", "layers"), default="mlp")
@@ -83,6 +120,10 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
     parser.add_argument("--views", action="store_true",
                         help="GradSync(views=True): the gradients are views of its buckets")
+    parser.add_argument("--results", default="gradsync_cost", metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: gradsync_cost)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     backprop = mlp(args, comm) if args.case == "mlp" else layers(args, comm)
@@ -137,14 +178,18 @@ def main(argv=None) -> int:
               f"{args.rounds} rounds x {args.steps} steps, OPENBLAS_NUM_THREADS={threads}")
         base = statistics.median(t for r in times["plain comm.Allreduce loop"] for t in r)
         print(f"{'mode':34s} {'ms/step':>8s} {'/ plain':>8s} {'spread':>7s}")
+        table = []
         for label, rounds in times.items():
             median = statistics.median(t for r in rounds for t in r)
             spread = max(max(r) / statistics.median(r) for r in rounds)
             print(f"{label:34s} {median * 1e3:8.2f} {median / base:8.2f} {spread:7.2f}")
+            table.append([label, median * 1e3, median / base, spread])
         for label, sync in syncs.items():
             timed = ", ".join(f"{way}: {seconds * 1e3:.2f} ms" for way, seconds in sync.timed.items())
             print(f"# {label}: overlap_mode={sync.overlap_mode}, way={sync.way}"
                   f" (timed (way, overlap): {timed or '-'})")
+        if args.results:
+            write_results(args, comm, table, gbytes, len(grads), threads)
     for sync in syncs.values():
         sync.free()
     return 0
