@@ -593,15 +593,18 @@ def _remember_shape(state: CommState, call: Call, objects: tuple, plan, key=None
     caller has it."""
     comm, sendbuf, recvbuf, op, topology = objects
     native = isinstance(plan, NativePlan)
+    # traced, a native call is staged as a schedule's is: its staged plan, bound traced, records
+    # its runs (the bare MPI call a plain native shape makes would record nothing)
+    staged = not native or plan.traced
     if (native and len(plan.pieces) == 1 and not plan.traced) \
-            or (not native and call.recv.nbytes <= STAGE_BYTES):
+            or (staged and call.recv.nbytes <= STAGE_BYTES):
         if key is None:
             key = shape_key(comm, sendbuf, recvbuf, op, call.algorithm, topology, call.params)
         known = SHAPES.get(key)
-        if known is not None and known.schedule == (not native) and known.fused == fused(plan):
+        if known is not None and known.schedule == staged and known.fused == fused(plan):
             return  # (the same call: keep the staged plan it may have built)
         state.calls.put_shape(key, Shape(call, state, (comm, op, topology, recvbuf.dtype),
-                                         schedule=not native,
+                                         schedule=staged,
                                          fused=fused(plan)))
 
 

@@ -682,3 +682,100 @@ def test_the_environment_variable_traces_drop_in_calls_on_one_node(tmp_path):
         runs = outer_runs(tracks[rank])
         assert [run["name"] for run, _ in runs] == ["shm allreduce"] * calls
         assert all(phases_of(document, rank, run) == SMALL_PHASES for run, _ in runs)
+
+
+# -- a solver's loop: fresh arrays per call ------------------------------------------------------
+
+#: iterations of the loop tests
+LOOP_CALLS = 30
+
+
+def _solver_loop(comm, allreduce, calls: int) -> str | None:
+    """A Jacobi-like loop: an 8-byte allreduce of a fresh array per iteration and a 1 KiB
+    exchange with the neighbours; the first wrong sum, or None."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    halo = np.full(1024, rank, dtype=np.uint8)
+    ghost = np.empty_like(halo)
+    for step in range(calls):
+        residual = np.array([float(step + rank)])
+        total = np.empty(1)
+        allreduce(residual, total)
+        comm.Sendrecv(halo, (rank + 1) % size, 0, ghost, (rank - 1) % size, 0)
+        want = step * size + size * (size - 1) / 2
+        if total[0] != want:
+            return f"rank {rank}, call {step}: {total[0]}, expected {want}"
+    return None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("way", ["mar.Comm", "mar.allreduce"])
+@pytest.mark.parametrize("algorithm", ["auto", "native", "recursive_doubling"])
+def test_a_loop_of_fresh_arrays_records_one_run_per_call_written_at_the_end(way, algorithm,
+                                                                          tmp_path):
+    """Each call with a fresh array runs what an earlier call like it bound (its shape), traced
+    as untraced: one run per call, named and sized as the call, from a few plans rather than one
+    per call; held in memory while the trace is on (no file yet), all in the file after."""
+    comm = MPI.COMM_WORLD
+    p = comm.size
+    with mar.plan(np.zeros(1), np.empty(1), comm=comm, algorithm=algorithm) as probe:
+        name = f"{probe.algorithm} allreduce"
+    drop_in = mar.Comm(comm, algorithm=algorithm)
+    allreduce = (drop_in.Allreduce if way == "mar.Comm"
+                 else partial(mar.allreduce, comm=comm, algorithm=algorithm))
+    path = _trace_path(comm, tmp_path)
+    with mar.trace(path, comm=comm) as recorder:
+        wrong = _solver_loop(comm, allreduce, LOOP_CALLS)
+        held = len(recorder.events)
+        early = os.path.exists(path)
+    problems = [wrong] if wrong else []
+    if held < 2 * LOOP_CALLS:
+        problems.append(f"rank {comm.rank}: {held} clock readings held for {LOOP_CALLS} calls")
+    if early:
+        problems.append(f"rank {comm.rank}: the trace was written before it ended")
+    assert_on_every_rank(comm, "; ".join(problems) or None)
+
+    def check(document):
+        problems, tracks = validate(document, p)
+        for rank in range(p):
+            runs = outer_runs(tracks.get(rank, []))
+            if len(runs) != LOOP_CALLS:
+                problems.append(f"rank {rank}: {len(runs)} runs of {LOOP_CALLS} calls")
+            for run, _ in runs:
+                got = (run["name"], run["args"]["count"], run["args"]["bytes"],
+                       run["args"]["dtype"], run["args"]["op"], run["args"]["ranks"])
+                if got != (name, 1, 8, "float64", "SUM", p):
+                    problems.append(f"rank {rank}: run {got}, expected {name} of 1 float64 "
+                                    f"(8 bytes) SUM on {p} ranks")
+                    break
+            plans = {run["args"]["plan"] for run, _ in runs}
+            if len(plans) > 3:
+                problems.append(f"rank {rank}: {LOOP_CALLS} calls ran {len(plans)} plans: the "
+                                f"calls bound again instead of running their shape's")
+        return problems
+
+    _checked(comm, path, check)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("algorithm", ["auto", "native"])
+def test_the_environment_variable_writes_a_fresh_array_loop_at_exit(algorithm, tmp_path):
+    """MPIALLREDUCE_TRACE over the loop: no file while the script runs, every call in it once
+    the processes exit."""
+    path = tmp_path / "loop.json"
+    script = ("import os; import numpy as np; from mpi4py import MPI; "
+              "import mpiallreduce as mar; comm = MPI.COMM_WORLD; "
+              f"drop_in = mar.Comm(comm, algorithm={algorithm!r}); "
+              "[drop_in.Allreduce(np.array([1.0 + comm.rank]), np.empty(1)) "
+              f"for _ in range({LOOP_CALLS})]; comm.Barrier(); "
+              f"assert not os.path.exists({str(path)!r}), 'written before exit'")
+    env = {**launcher_environment(), tracing.ENV: str(path), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "mpi4py", "-c",
+                             script], capture_output=True, text=True, timeout=120, env=env,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    problems, tracks = validate(json.loads(path.read_text()), 2)
+    assert problems == []
+    for rank in range(2):
+        runs = outer_runs(tracks[rank])
+        assert len(runs) == LOOP_CALLS
+        assert {run["args"]["bytes"] for run, _ in runs} == {8}
