@@ -747,10 +747,11 @@ cdef class SmallRun:
     Built from what the plan has bound (:meth:`from_plan` reads nothing else): the node, the
     source and result arrays, every rank's slot of each parity, the signature words and digest
     of a run with and without a timeout, the peers' digest words, the Python form's
-    ``(load, reduce)`` per parity, the plan's ``_arrive`` and ``_mismatch``.
+    ``(load, reduce)`` per parity, the plan's ``_arrive`` and ``_mismatch``, and, bound while
+    tracing, the stamps of its phases.
     """
 
-    cdef object node, arrive, mismatch, label, signatures, programs, keep, sync, words
+    cdef object node, arrive, mismatch, label, signatures, programs, keep, sync, words, stamps
     cdef NodeFields fields
     cdef list written
     cdef int64_t *header
@@ -767,11 +768,14 @@ cdef class SmallRun:
     cdef Py_ssize_t loop_bytes, trapped
 
     def __cinit__(self, node, source, result, slots, signed_words, peer_digests, programs, arrive,
-                  mismatch, str label, reducer_name, bint average, bint timed):
+                  mismatch, str label, reducer_name, bint average, bint timed, stamps=None):
         """``slots[parity][q]``: rank q's slot (flat array); ``signed_words[timed]``: (words,
         digest); ``peer_digests[parity]``: ((a peer's header, word index), ...);
         ``programs[parity]``: the Python form's (load, reduce). Where the node's ranks outnumber
-        the cores (``node.spin`` is 0) the wait yields at once."""
+        the cores (``node.spin`` is 0) the wait yields at once. ``stamps``: a traced plan's
+        clock readings that open its phases run, arrive, wait, reduce and end (argument-free
+        calls, :meth:`.tracing.Marks.stamps`), made where the Python form's programs make them
+        (which hold them where the reduce is theirs); None untraced."""
         cdef Py_ssize_t q, parity
         self.node, self.arrive, self.mismatch, self.label = node, arrive, mismatch, label
         self.fields = <NodeFields?>node
@@ -811,6 +815,8 @@ cdef class SmallRun:
         elif reducer_name == "PROD" and dtype == "f":
             self.reduce_kind = PROD_F32
         self.spins = SPIN_PAUSES if node.spin else 0
+        self.stamps = None if self.reduce_kind == REDUCE_PYTHON or stamps is None \
+            else tuple(stamps)
         from .shm.plan import LOOP_COPY_BYTES, TRAPPED_DISTANCE
         self.loop_bytes, self.trapped = LOOP_COPY_BYTES, TRAPPED_DISTANCE
 
@@ -842,6 +848,7 @@ cdef class SmallRun:
         cdef double deadline = 0.0  # 0: not read yet (see above)
         cdef double seconds = timeout if self.timed else 0.0
         cdef bint arrived
+        cdef object stamps = self.stamps
         epoch = fields.epoch + 1
         fields.epoch = epoch
         try:
@@ -853,8 +860,13 @@ cdef class SmallRun:
             if self.reduce_kind == REDUCE_PYTHON:
                 self.programs[parity][0]()
             else:
+                if stamps is not None:
+                    (<tuple>stamps)[0]()
+                    (<tuple>stamps)[1]()
                 load(self.slots[parity][self.rank], source, self.nbytes, self.loop_bytes,
                      self.trapped)
+                if stamps is not None:
+                    (<tuple>stamps)[2]()
             if self.written[parity] is not self.words:
                 memcpy(self.header + self.lo[parity], words_of(self.words),
                        len(self.words) * sizeof(int64_t))
@@ -874,8 +886,12 @@ cdef class SmallRun:
                         self.mismatch(self.signatures[parity], timeout)
             if self.reduce_kind == REDUCE_PYTHON:
                 self.programs[parity][1]()
-            else:
+            elif stamps is None:
                 self.reduce(parity, result)
+            else:
+                (<tuple>stamps)[3]()
+                self.reduce(parity, result)
+                (<tuple>stamps)[4]()
         except BaseException as error:  # a run left in the middle revokes (``_revoke``)
             node.give_up(error, self.label)
             raise

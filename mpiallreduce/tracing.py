@@ -34,6 +34,12 @@ A node-phased run (hierarchical, cascade with shared memory inside nodes) holds 
 cross-node plan's own run, ``<algorithm> across nodes``), ``publish`` and ``copy out``. A native
 call is one span (``native allreduce``) with nothing inside.
 
+Recording a run costs its clock readings: each is one ``(ns, marker)`` tuple appended to the
+rank's buffer in memory (the marker bound once with the plan, shared by all its runs); the
+events, their names and arguments are made only when the trace is written, at the end of the
+``trace()`` block or at exit, and nothing is written before. Calls with fresh arrays run the
+plan their shape bound, traced as untraced (a native one staged through a traced plan of its
+own), and shm's small regime keeps its compiled run, which makes the readings itself.
 A rank keeps its latest :data:`MAX_EVENTS` clock readings (``MPIALLREDUCE_TRACE_EVENTS``),
 about 100 B each; runs whose start was dropped, or that raised before their end, are left out
 of the file. A trace that ends with no run recorded on any rank warns on rank 0, saying why.
@@ -102,6 +108,16 @@ class Recorder:
         """Record that ``marker``'s phase begins now."""
         self.events.append((_clock(), marker))
 
+    def stamper(self, marker: tuple):
+        """The argument-free call a traced program holds for ``marker``: :meth:`stamp`, as a
+        closure (cheaper to call than a partial of the method). It reads ``events`` at each
+        call, so that a pause or the end of the trace silences it."""
+        recorder = self
+
+        def stamp() -> None:
+            recorder.events.append((_clock(), marker))
+        return stamp
+
     # -- binding (plan time) ---------------------------------------------------------------------
 
     def program(self, plan, steps) -> tuple:
@@ -131,20 +147,20 @@ class Recorder:
         """``group`` of calls preceded by the stamps of its phase (see ``Plan._flatten``)."""
         group = list(group)
         if kind in ("run", "end"):
-            return [partial(self.stamp, (plan, kind, None, False))]
+            return [self.stamper((plan, kind, None, False))]
         if kind == "combine":  # copies out of scratch and reductions, each run of them a phase
             out, previous = [], None
             for call in group:
                 now = COPY if getattr(call, "func", None) is np.copyto else "combine"
                 if now != previous:
-                    out.append(partial(self.stamp, (plan, now, step, False)))
+                    out.append(self.stamper((plan, now, step, False)))
                     previous = now
                 out.append(call)
             return out
         if not group and kind not in ("start", "wait"):
             return group
         opens = kind in ("copy", "start")  # the first phase of a step opens the step's span
-        return [partial(self.stamp, (plan, kind, step, opens)), *group]
+        return [self.stamper((plan, kind, step, opens)), *group]
 
     # -- pausing and writing ---------------------------------------------------------------------
 
@@ -222,7 +238,12 @@ class Marks:
         if not group and kind not in self.ALWAYS:
             return group
         opens = kind == "arrive" and index is not None
-        return [partial(self.recorder.stamp, (self.plan, kind, index, opens)), *group]
+        return [self.recorder.stamper((self.plan, kind, index, opens)), *group]
+
+    def stamps(self, *kinds: str) -> tuple:
+        """The stamps that open phases ``kinds`` (of no chunk), for a compiled run that makes
+        them itself where the bound calls hold them (``_compiled.SmallRun``)."""
+        return tuple(self.recorder.stamper((self.plan, kind, None, False)) for kind in kinds)
 
     def around(self, run):
         """``run(*args)`` between the stamps of the run's start and end (none if it raises:

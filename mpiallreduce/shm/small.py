@@ -28,8 +28,7 @@ class SmallPlan(ShmPlan):
         self._trace("small")
         self._programs = tuple(self._bind_small(parity, source) for parity in (0, 1))
         self.direct, self._timed = self._bind_direct()
-        if _form.compiled is not None and not self.traced \
-                and self._node.size <= COMPILED_MAX_RANKS:
+        if _form.compiled is not None and self._node.size <= COMPILED_MAX_RANKS:
             self.direct, self._timed = self._compiled_runs(source)
 
     def _compiled_runs(self, source: np.ndarray) -> tuple:
@@ -44,9 +43,12 @@ class SmallPlan(ShmPlan):
         # stalls, around the compiled publish and wait)
         stalled = isinstance(self._phase, Stalled)
         name = None if self._exact or stalled else self.reducer.name
+        # traced (.tracing): the compiled run makes the clock readings the programs hold
+        stamps = (self._phase.stamps("run", "arrive", "wait", "reduce", "end")
+                  if self.traced and not stalled else None)
         return tuple(_form.compiled.SmallRun(
             node, source, self._result, slots, self._signed, self._peer_digests, self._programs,
-            self._arrive, self._mismatch, self._label, name, self._average, timed)
+            self._arrive, self._mismatch, self._label, name, self._average, timed, stamps)
             for timed in (False, True))
 
     def _bind_small(self, parity: int, source: np.ndarray) -> tuple:
