@@ -1,6 +1,7 @@
 """Where the DDP hook's time goes: the bucket's reduction in parts, then DDP steps, one job.
 
     mpirun -n 2 python -m mpi4py scripts/hook_cost.py [--rounds 7] [--reps 5] [--steps 10]
+        [--results NAME | --no-results]
 
 Part 1, a bucket the size of the example model's large DDP bucket (6293504 float32, 25.2 MB),
 every way ``--reps`` times per round, rounds interleaved, medians of the rounds' means:
@@ -19,6 +20,11 @@ that reduces nothing: DDP's bucket work and the hand-off to the communication th
 array, the future's value); ``+view``: DDP with ``gradient_as_bucket_view=True`` (the
 gradients are views of the buckets: no copy into them and back); ``+capN``:
 ``bucket_cap_mb=N``. Each step's ratio to Gloo's of the same cycle, medians.
+
+``--results NAME`` (default ``hook_cost``; ``--results ''`` or ``--no-results`` writes none)
+writes ``docs/results/NAME.json`` (``scripts/_results.py``) on rank 0: the DDP steps' table
+(each way's ms and its ratios to the Gloo ways), or the bucket's where no steps ran, and the
+bucket's times as values.
 """
 
 from __future__ import annotations
@@ -202,6 +208,63 @@ def steps(args, comm) -> dict:
             for name, values in times.items()}
 
 
+def _key(name: str) -> str:
+    """A value's name from a way's or a part's: ``hook+view`` -> ``hook_view``."""
+    return "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+#: what each DDP way is, for the result file's rows
+WAY_TEXT = {"local": "no all-reduce (local)", "gloo": "Gloo (PyTorch's own)",
+            "nothing": "a hook that reduces nothing", "hook": "`mpiallreduce.torch` hook",
+            "before": "the hook dividing in a pass of its own",
+            "shared": "the hook, AVG into a shared array"}
+
+
+def mpirun_command(ranks: int) -> str:
+    """The command that ran this script, as a reader would type it (the result's provenance)."""
+    blas = os.environ.get("OPENBLAS_NUM_THREADS")
+    prefix = f"OPENBLAS_NUM_THREADS={blas} " if blas else ""
+    return prefix + f"mpirun -n {ranks} python -m mpi4py " + " ".join(sys.argv)
+
+
+def write_results(args, comm, parts: dict, ddp: dict) -> None:
+    """Write the reader's table (rank 0): DDP steps (or the bucket's parts) and the bucket's
+    times as values."""
+    from _results import write
+
+    values = {f"bucket_{_key(name)}_ms": round(seconds * 1e3, 3)
+              for name, seconds in parts.items()}
+    if ddp:
+        glooes = list(next(iter(ddp.values()))[1])
+        columns = ["DDP step", "ms"] + [f"/ {g}" for g in glooes]
+        rows = []
+        for name, (seconds, ratios) in ddp.items():
+            options = name.split("+")
+            text = WAY_TEXT.get(options[0], options[0]) + "".join(
+                ", gradient_as_bucket_view" if o == "view" else f", bucket_cap_mb={o[3:]}"
+                for o in options[1:])
+            rows.append([text, seconds * 1e3] + [ratios.get(g) for g in glooes])
+            values.update({f"step_{_key(name)}_vs_{_key(g)}": round(ratios[g], 3)
+                           for g in glooes if g != name})
+        formats = ["{}", "{:.2f}"] + ["{:.2f}"] * len(glooes)
+        title = "The DDP hook against Gloo: whole DDP steps of examples/torch_ddp.py's model"
+        notes = (f"Steps interleaved one by one, {args.rounds} x {args.steps} per way; ms: median "
+                 f"step; / gloo: median over cycles of the step's time over Gloo's of the same "
+                 f"cycle; {torch.get_num_threads()} intra-op threads, OPENBLAS_NUM_THREADS="
+                 f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}; the values hold the "
+                 f"25.2 MB bucket's parts (ms, medians of {args.rounds} rounds x {args.reps}).")
+    else:
+        columns, formats = ["bucket of 25.2 MB", "ms"], ["{}", "{:.2f}"]
+        rows = [[name, seconds * 1e3] for name, seconds in parts.items()]
+        title = "Where the DDP hook's time goes: one 25.2 MB bucket"
+        notes = (f"float32, medians of {args.rounds} interleaved rounds' means of {args.reps} "
+                 f"runs each.")
+    path = write(args.results, title, columns=columns, rows=rows, formats=formats,
+                 ranks=comm.Get_size(), values=values, notes=notes,
+                 command=mpirun_command(comm.Get_size()))
+    print(f"# wrote docs/results/{path.name}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -211,6 +274,10 @@ def main(argv=None) -> int:
     parser.add_argument("--ways", default="local,gloo,gloo+view,nothing,nothing+view,hook,"
                         "hook+view")
     parser.add_argument("--parts", choices=("bucket", "steps", "both"), default="both")
+    parser.add_argument("--results", default="hook_cost", metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: hook_cost)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     model_arguments(parser)
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
@@ -231,6 +298,8 @@ def main(argv=None) -> int:
         for name, (value, ratios) in ddp.items():
             print(f"step {name:>20s} {value * 1e3:8.2f} ms  "
                   + "  ".join(f"{ratio:5.2f}x {g}" for g, ratio in ratios.items()))
+        if args.results and (parts or ddp):
+            write_results(args, comm, parts, ddp)
     torch.distributed.destroy_process_group()
     return 0
 
