@@ -1,7 +1,7 @@
 """Does ``auto`` with learning match the best algorithm on this machine? (issue 38, item 2)
 
     mpirun -n 2 python -m mpi4py scripts/auto_learn.py [--sizes 8,64,512,4K,32K,256K,2M,8M,64M]
-        [--modes out,in] [--repeats 12] [--runs 5] [--json FILE]
+        [--modes out,in] [--repeats 12] [--runs 5] [--json FILE] [--results NAME | --no-results]
 
 For every size and mode, on a fresh duplicate of COMM_WORLD (nothing learned yet), with
 ``MPIALLREDUCE_LEARN=on`` and no tuning table (``MPIALLREDUCE_TUNING=off``: the built-in rules
@@ -27,6 +27,10 @@ set-up any first call pays, learning or not, is not counted). Each row's ``auto`
 checked against ``comm.Allreduce``. Times are microseconds per call; rank 0 prints. The
 machine's load is printed first: on a shared machine compare ratios within a run, never
 absolute times between runs.
+
+``--results NAME`` (default ``auto_learn``; ``--results ''`` or ``--no-results`` writes none)
+writes ``docs/results/NAME.json`` (``scripts/_results.py``) on rank 0: per size, each mode's
+auto / best and what auto picked, and the summary counts as values.
 """
 
 from __future__ import annotations
@@ -150,6 +154,56 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
         comm.Free()
 
 
+def _size_text(size: int) -> tuple[str, str]:
+    """(column text, value suffix): ``32768`` -> ``32 KiB``, ``32K``; ``8`` -> ``8 B``, ``8B``."""
+    short = human(size)
+    if short[-1].isalpha():
+        return f"{short[:-1]} {short[-1]}iB", short
+    return f"{size} B", f"{size}B"
+
+
+def mpirun_command(ranks: int) -> str:
+    """The command that ran this script, as a reader would type it (the result's provenance)."""
+    return f"mpirun -n {ranks} python -m mpi4py " + " ".join(sys.argv)
+
+
+def write_results(args, world, rows: list[dict]) -> None:
+    """Write the reader's table (rank 0): one row per size, per mode auto / best and the pick."""
+    from _results import write
+
+    modes = list(dict.fromkeys(row["mode"] for row in rows))
+    sizes = list(dict.fromkeys(row["bytes"] for row in rows))
+    by = {(row["bytes"], row["mode"]): row for row in rows}
+    place = {"out": "out of place", "in": "in place"}
+    columns = ["size"]
+    for mode in modes:
+        columns += [f"auto / best, {place[mode]}", f"auto picked, {place[mode]}"]
+    table, values = [], {}
+    for size in sizes:
+        text, key = _size_text(size)
+        cells = [text]
+        for mode in modes:
+            row = by.get((size, mode))
+            cells += [row["ratio"], row["picked"]] if row else [None, None]
+            if row:
+                values[f"{mode}_{key}"] = round(row["ratio"], 3)
+        table.append(cells)
+    n = len(rows)
+    values["within_1_05"] = f"{sum(row['ratio'] <= 1.05 for row in rows)} of {n}"
+    values["worst"] = round(max(row["ratio"] for row in rows), 3)
+    values["held_within_1_05"] = f"{sum(row['held_out']['ratio'] <= 1.05 for row in rows)} of {n}"
+    values["held_worst"] = round(max(row["held_out"]["ratio"] for row in rows), 3)
+    values["most_learning_calls"] = max(row["learning_calls"] for row in rows)
+    notes = (f"float64 SUM with MPIALLREDUCE_LEARN=on and no tuning table: auto's call after "
+             f"learning over the fastest algorithm called by name, medians of {args.repeats} "
+             f"interleaved rounds; 'auto picked': what learning kept.")
+    path = write(args.results, "auto with learning against the best algorithm called by name",
+                 columns=columns, rows=table, formats=["{}"] + ["{:.2f}", "{}"] * len(modes),
+                 ranks=world.size, values=values, notes=notes,
+                 command=mpirun_command(world.size))
+    print(f"# wrote docs/results/{path.name}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,6 +215,10 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=None,
                         help="timed runs per candidate while learning (MPIALLREDUCE_LEARN_RUNS)")
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    parser.add_argument("--results", default="auto_learn", metavar="NAME",
+                        help="write docs/results/NAME.json ('' for none; default: auto_learn)")
+    parser.add_argument("--no-results", dest="results", action="store_const", const="",
+                        help="write no result file")
     args = parser.parse_args(argv)
     if args.runs is not None:
         os.environ["MPIALLREDUCE_LEARN_RUNS"] = str(args.runs)
@@ -207,6 +265,8 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as file:
                 json.dump({"ranks": world.size, "rows": rows}, file, indent=1)
+        if args.results and rows:
+            write_results(args, world, rows)
     return 0
 
 
