@@ -72,8 +72,8 @@ def _commit() -> str:
 def provenance(ranks: int, command: str | None = None) -> dict:
     """Where a measurement ran: the machine, the libraries, the commit, the command and the load
     at the time (the 1-, 5- and 15-minute load averages: a busy machine's figures say so)."""
-    from mpi4py import MPI
     import numpy
+    from mpi4py import MPI
 
     cores = os.cpu_count()
     mem = _memory_gib()
