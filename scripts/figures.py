@@ -90,7 +90,8 @@ def caption(name: str) -> str:
     doc = load(name)
     p = doc["provenance"]
     load1 = p["load"][0] if isinstance(p["load"], list) else p["load"]
-    text = (f"Measured by `{p['command']}` at {p['ranks']} ranks: {p['mpi']}, {p['cpu']} "
+    ranks = f"{p['ranks']} rank" + ("" if p["ranks"] == 1 else "s")
+    text = (f"Measured by `{p['command']}` at {ranks}: {p['mpi']}, {p['cpu']} "
             f"({p['cores']} cores), load {load1}, commit `{p['commit']}`; "
             f"`docs/results/{name}.json`.")
     if doc.get("notes"):
