@@ -25,7 +25,7 @@ GOLDEN = HERE / "model_golden.json"
 SCRIPTS = HERE.parent / "docs" / "results"
 
 #: (label, machine file or None for the built-in one)
-MACHINES = (("built-in", None), ("calibrated", "machine-20261202-0100.json"),
+MACHINES = (("built-in", None), ("calibrated", "machine-heldout-b.json"),
             ("sites", "machine-sites.json"))
 #: (ranks, ranks per node, nodes per site or None)
 SHAPES = ((1, 1, None), (2, 2, None), (3, 3, None), (4, 2, None), (5, 5, None), (8, 8, None),

@@ -100,7 +100,7 @@ def _write(path, data) -> str:
 
 
 def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
-    """On a stored job of this VM (docs/results/machine-20261204-1649.json and its two benches,
+    """On a stored job of this VM (docs/results/machine-injob.json and its two benches,
     calibrated and measured in one mpirun -n 2 job), the model refitted from the job's own
     measurements puts at least 85% of the ratios between algorithms within +-25% of the
     measured ones and picks within 10% of the measured best in at least 90% of the rows.
@@ -112,9 +112,9 @@ def test_the_stored_in_job_run_is_ranked_as_it_measured(script):
     from mpiallreduce.model.fit import machine_from
 
     root = Path(__file__).resolve().parent.parent / "docs" / "results"
-    stored = Machine.load(str(root / "machine-20261204-1649.json"))
+    stored = Machine.load(str(root / "machine-injob.json"))
     machine = machine_from(stored.info["measurements"])  # refitted by this code, not stored
-    rows = script.load_measured([str(root / f"bench-n2-20261204-1649-{mode}.json")
+    rows = script.load_measured([str(root / f"bench-n2-injob-{mode}.json")
                                  for mode in ("out", "in")])
     _, figures = script.as_used(script.compare(rows, machine, None))
     assert figures["ratios"] >= 0.85 and figures["picks"] >= 0.90, figures

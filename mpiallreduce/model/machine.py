@@ -453,7 +453,7 @@ DEFAULT_MACHINE = Machine(
     gamma=(("float32", 7.8e-11), ("float64", 7.6e-11), ("int32", 7.8e-11), ("int64", 8.0e-11)),
     # docs/results/machine-vm.json's 2.86 us per step, which lumps the combine in, split as
     # calibrate measures the two apart: 0.9 us per combine call (the combine of
-    # docs/results/machine-idle-20261201.json), the rest per step (a step with one reducing
+    # docs/results/machine-idle.json), the rest per step (a step with one reducing
     # receive costs the same either way; the shared-memory phases' combine calls, which have
     # no step, cost their Python too)
     step=1.96e-6,
@@ -466,7 +466,7 @@ DEFAULT_MACHINE = Machine(
     # the shared-memory transport (shm, and the intra-node phase of hierarchical and cascade):
     # its per-call terms and peer reads as fitted to the quiet 2-core VM's bench
     # (docs/results/machine-fitted-quiet.json, docs/model.md), the node's bandwidth as that VM's
-    # idle calibration measured it (docs/results/machine-idle-20261201.json: every rank copying
+    # idle calibration measured it (docs/results/machine-idle.json: every rank copying
     # 64 MiB at once)
     # (shm_small: the fitted file's 1.6 us plus the 0.9 us combine call above, which the
     # model charges shm only where its reduce calls NumPy, not where the compiled call path
@@ -476,13 +476,13 @@ DEFAULT_MACHINE = Machine(
     shm_peer=2.0e-10,
     node_bandwidth=4.3e10,
     # first writes into a fresh libc malloc of 64 MiB beyond plain writes, as calibrate
-    # measured it on the 2-core VM in two jobs (docs/results/machine-20261204-0721.json and
-    # machine-20261204-0722.json)
+    # measured it on the 2-core VM in two jobs (docs/results/machine-fault-a.json and
+    # machine-fault-b.json)
     fault=5.5e-10,
     info={"source": "built-in: intra-node, gamma, step and copy calibrated on the quiet 2-core "
                     "VM (Open MPI 5.0.11; docs/results/machine-vm.json); shm terms from that "
                     "VM's fitted and idle runs (docs/results/machine-fitted-quiet.json, "
-                    "machine-idle-20261201.json); inter-node a 100 Gb/s network"},
+                    "machine-idle.json); inter-node a 100 Gb/s network"},
 )
 
 
