@@ -168,7 +168,7 @@ def test_non_commutative_user_op_keeps_rank_order_or_is_refused(algorithm):
                 keep = [name for name, a in mar.algorithms.REGISTRY.items()
                         if not a.commutative_only]
                 with pytest.raises(ValueError, match="commutative op; for a non-commutative op "
-                                                     f"use one of {', '.join(keep)}, native"):
+                                                     f"use one of {', '.join(keep)}, shm, native"):
                     mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
             else:
                 out = mar.allreduce(x, op=op, comm=comm, algorithm=algorithm)
