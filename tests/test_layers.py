@@ -40,8 +40,9 @@ LAYERS = {
     "_hooks": "transport", "shm": "transport", "shm_nodes": "transport", "nonblocking.requests": "transport",
     "nonblocking.native": "transport", "nonblocking.progress": "transport",
     # choice: what auto picks; the model predicts from schedules and machine files (its
-    # command line too: model.cli prints predictions, and runs nothing on MPI)
-    "select": "choice", "model": "choice",
+    # command line too: model.cli prints predictions, and runs nothing on MPI); decide judges
+    # measured rounds for the bench, tune and learning
+    "select": "choice", "model": "choice", "decide": "choice",
     # calls: the one call path (normalise, cache, agree, bind) and the non-blocking entry points
     "_plans": "calls", "_agree": "calls", "_checks": "calls", "_state": "calls",
     "_buffers": "calls", "nonblocking": "calls", "learn": "calls",
