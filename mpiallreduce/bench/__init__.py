@@ -38,7 +38,6 @@ from .options import (
     MIN_ITERATIONS,
     MPI_CALL,
     MPI_INIT,
-    RECOMMEND_MARGIN,
     RECOMMEND_ROUNDS,
     HelpShown,
     Options,
@@ -64,7 +63,7 @@ from .report import (
 __all__ = [
     "APIS", "BUDGET_BYTES", "DEFAULT_SIZES", "EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "GLOO", "ITERATION_RULE",
     "MAX_ITERATIONS", "MIN_ITERATIONS", "MPI_CALL", "MPI_INIT", "OP_NAMES", "RANKS_PER_NODE_ENV",
-    "RECOMMEND_MARGIN", "RECOMMEND_ROUNDS",
+    "RECOMMEND_ROUNDS",
     "Case", "HelpShown", "Options", "Row", "UsageError", "build_parser", "check_outputs",
     "default_iterations", "format_row", "header_lines", "human", "main", "make_input", "metadata",
     "op_of", "parse_algorithms", "parse_apis", "parse_args", "parse_size", "parse_sizes", "plot",

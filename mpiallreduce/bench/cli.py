@@ -133,7 +133,8 @@ def main(argv=None, comm=None, out=None) -> int:
     if root:
         if not opts.quiet:
             print("\n".join(summary_lines(rows, [label for _, _, label in opts.cases],
-                                          opts.against)),
+                                          opts.against, one_node=meta["nodes"] == 1,
+                                          named=opts.named)),
                   file=out, flush=True)
         failed = [r for r in rows if r.check == "FAIL"]
         if failed:

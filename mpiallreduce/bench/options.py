@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import mpiallreduce as mar
 
+from ..decide import MIN_ROUNDS
 from ..ops import AVG, DTYPES, OP_NAMES, reducer
 from ..sizes import UsageError, human, parse_sizes
 from ..topology import RANKS_PER_NODE_ENV
@@ -28,13 +29,9 @@ MAX_ITERATIONS, MIN_ITERATIONS, BUDGET_BYTES = 1000, 20, 64 * 2**20
 #: the rule in words (the help text and the metadata).
 ITERATION_RULE = (f"min({MAX_ITERATIONS}, {BUDGET_BYTES // 2**20}M/size), "
                   f"at least {MIN_ITERATIONS}")
-#: the lead over ``auto`` that an algorithm needs in every round to be recommended instead:
-#: auto's time more than (1 + RECOMMEND_MARGIN) times its own, round by round (the rounds are
-#: interleaved, so each one compares the two under the same load).
-RECOMMEND_MARGIN = 0.10
-#: the fewest rounds (--repeat) that can back a recommendation: on a shared machine one or two
-#: rounds cannot tell a lead from the load of the moment.
-RECOMMEND_ROUNDS = 3
+#: the fewest rounds (--repeat) that can back a recommendation: the decision's noise is the
+#: spread of a code's rounds, which fewer rounds do not measure (:data:`mpiallreduce.decide.MIN_ROUNDS`).
+RECOMMEND_ROUNDS = MIN_ROUNDS
 
 
 class HelpShown(Exception):
@@ -104,6 +101,13 @@ VARIANTS = {f"{name}-{intra}": (name, {"intra": intra})
 def algorithm_call(name: str) -> tuple[str, dict]:
     """The algorithm and parameters a bench name runs (:data:`VARIANTS`)."""
     return VARIANTS.get(name, (name, {}))
+
+
+def named_algorithms(text: str) -> tuple[str, ...]:
+    """Return the names of an ``--algorithms`` list given one by one (not through ``all``):
+    on one node only these of the multi-node algorithms are weighed by the advice."""
+    return tuple(dict.fromkeys(part.strip() for part in text.split(",")
+                               if part.strip() and part.strip() != "all"))
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -179,8 +183,8 @@ def build_parser(printing: bool = True) -> _Parser:
                         help="measure every size R times, the algorithms interleaved in each round; "
                              "rows show the median and the spread across rounds; from "
                              f"{RECOMMEND_ROUNDS} rounds the closing advice recommends another "
-                             "algorithm than auto where it was more than "
-                             f"{RECOMMEND_MARGIN * 100:.0f}%% faster in every round (default: 1)")
+                             "algorithm than auto where its median beat auto's by more than "
+                             "the spread of either one's rounds (default: 1)")
     parser.add_argument("--against", default="native", choices=REFERENCES,
                         help="the reference column: native (MPI's own Allreduce, as a plan) or "
                              "gloo (torch.distributed.all_reduce with Gloo on a torch tensor "
@@ -235,6 +239,8 @@ class Options:
     notes: list[str]
     trace: str | None = None
     against: str = "native"
+    #: the algorithms named one by one in --algorithms (not through ``all``)
+    named: tuple[str, ...] = ()
 
     @property
     def width(self) -> int:
@@ -311,4 +317,5 @@ def parse_args(argv=None, printing: bool = True) -> Options:
     return Options(parse_algorithms(args.algorithms), parse_apis(args.api), args.repeat, sizes,
                    dtype, args.op,
                    args.iterations, args.warmup, args.in_place, args.validate, args.json, args.csv, args.plot,
-                   ranks_per_node, args.quiet, notes, args.trace, args.against)
+                   ranks_per_node, args.quiet, notes, args.trace, args.against,
+                   named_algorithms(args.algorithms))

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 import mpiallreduce as mar
 
+from ..decide import FASTEST, MAX_NOISE, TOO_NOISY, WIN, WITHIN_NOISE, Verdict, decide, eligible, percent
 from ..sizes import human
 from ..topology import RANKS_PER_NODE_ENV, Topology
 from .measure import Row
@@ -25,7 +26,6 @@ from .options import (
     ITERATION_RULE,
     MPI_CALL,
     MPI_INIT,
-    RECOMMEND_MARGIN,
     RECOMMEND_ROUNDS,
     Options,
 )
@@ -111,9 +111,13 @@ def format_row(row: Row, width: int, spread: bool = False) -> str:
     return line
 
 
-def _beats_native(row: Row) -> bool:
-    """Faster than native beyond the measured spread: in every round (--repeat), or, with one
-    round, by at least the 1% that the table's two decimals can show."""
+def _beats(row: Row, base: Row | None) -> bool:
+    """Faster than the reference ``base``: by :func:`mpiallreduce.decide.decide`'s rule (beyond
+    the spread of either one's rounds) from :data:`RECOMMEND_ROUNDS` rounds; with fewer, in
+    every round (two), or by at least the 1% the table's two decimals can show (one)."""
+    if row.repeats >= RECOMMEND_ROUNDS and base is not None:
+        samples = {base.algorithm: list(base.rounds_us), row.algorithm: list(row.rounds_us)}
+        return decide(samples, base.algorithm, one_node=False).pick == row.algorithm
     if row.repeats > 1:
         return row.vs_native_lo > 1
     return round(row.vs_native, 2) > 1
@@ -135,20 +139,48 @@ def _runs(items: list[tuple[object, int]]) -> list[tuple[object, list[int]]]:
     return merged
 
 
-def _wins_every_round(row: Row, base: Row) -> bool:
-    """True where ``row`` beat ``base`` by more than the margin in every round, the rounds paired
-    as they were run (both measured in each)."""
-    if len(row.rounds_us) != len(base.rounds_us) or len(row.rounds_us) < RECOMMEND_ROUNDS:
-        return False
-    return all(theirs > (1 + RECOMMEND_MARGIN) * mine
-               for mine, theirs in zip(row.rounds_us, base.rounds_us))
+def _ranges(values: list[float]) -> str:
+    """``[0.02, 0.05]`` -> ``2.0-5.0%``; one value (or all equal) -> ``2.0%``."""
+    low, high = percent(min(values)), percent(max(values))
+    return low if low == high else f"{low.rstrip('%')}-{high}"
 
 
-def recommendations(rows: list[Row]) -> list[str]:
+def _advice(base_name: str, ran: str, verdicts: list[tuple[Verdict, int]]) -> str:
+    """One ``# recommend`` line for consecutive sizes with the same kind of verdict."""
+    first, sizes = verdicts[0][0], [size for _, size in verdicts]
+    span = _span(sizes)
+    what = f"{base_name} (ran {ran})" if ran != base_name else base_name
+    if first.reason == WIN:
+        return (f"# recommend {span}: {first.pick}, not {what}: faster beyond the noise, medians "
+                f"of {first.rounds} interleaved rounds (lead / noise: "
+                + ", ".join(f"{human(size)} {percent(v.margin)}/{percent(v.noise)}"
+                            for v, size in verdicts) + ")")
+    margins = [v.margin for v, _ in verdicts]
+    noises = [v.noise for v, _ in verdicts]
+    if first.reason == WITHIN_NOISE:
+        leaders = ", ".join(dict.fromkeys(v.challenger for v, _ in verdicts))
+        return (f"# recommend {span}: {base_name}: within noise: keeping {base_name} ({leaders} "
+                f"led by {_ranges(margins)}, within the rounds' spread of {_ranges(noises)})")
+    if first.reason == TOO_NOISY:
+        return (f"# recommend {span}: {base_name}: within noise: keeping {base_name} (its rounds "
+                f"spread {_ranges(noises)}, over the {percent(MAX_NOISE)} bound: the machine is "
+                f"too busy to decide; rerun when it is idle)")
+    if first.reason == FASTEST:
+        return (f"# recommend {span}: {base_name}: nothing measured faster (its rounds spread "
+                f"{_ranges(noises)})")
+    return f"# recommend {span}: {base_name}: {first.text}"
+
+
+def recommendations(rows: list[Row], *, one_node: bool = False,
+                    named: tuple[str, ...] = ()) -> list[str]:
     """Return the advice: one line on what ``auto`` picked per size and its median time against
-    the best measured, then a ``# recommend`` line only where another algorithm beat auto in
-    every round by more than :data:`RECOMMEND_MARGIN` (native is the baseline in a run without
-    auto). Plan rows only: the call modes are timed against comm.Allreduce instead."""
+    the best measured, then ``# recommend`` lines from :func:`mpiallreduce.decide.decide` per
+    size: another algorithm only where its median beat auto's by more than the spread of
+    either one's rounds, else auto, saying "within noise" where the measurement cannot tell
+    (native is the baseline in a run without auto). ``one_node``: every rank on one node
+    (real or simulated layout), where hierarchical and cascade are weighed only if ``named``
+    (``--algorithms`` named them one by one). Plan rows only: the call modes are timed against
+    comm.Allreduce instead."""
     plans = [r for r in rows
              if r.algorithm not in (MPI_CALL, MPI_INIT, GLOO) and "/" not in r.algorithm]
     by_size: dict[int, dict[str, Row]] = {}
@@ -157,13 +189,14 @@ def recommendations(rows: list[Row]) -> list[str]:
     base_name = "auto" if any("auto" in mine for mine in by_size.values()) else "native"
     sizes = sorted(size for size, mine in by_size.items() if base_name in mine)
     rounds = max((by_size[size][base_name].repeats for size in sizes), default=0)
-    margin = f"{RECOMMEND_MARGIN:.0%}"
     lines = []
     if base_name == "auto":
         picks = []  # ((what auto ran, auto's time / the best's), size)
         for size in sizes:
             auto = by_size[size]["auto"]
-            best = min(r.avg_us for r in by_size[size].values())
+            # the best of the candidates (on one node, not the multi-node algorithms unnamed)
+            best = min(r.avg_us for name, r in by_size[size].items()
+                       if eligible([name], one_node=one_node, keep=named))
             picks.append(((auto.runs or "auto", auto.avg_us / best), size))
         ratio = {size: value for (_, value), size in picks}
         parts = []
@@ -176,40 +209,45 @@ def recommendations(rows: list[Row]) -> list[str]:
         lines.append("# auto not measured (add it to --algorithms): the advice below takes "
                      "native as the baseline")
     if rounds < RECOMMEND_ROUNDS:
-        return lines + [f"# recommend {base_name}: {rounds} round(s) cannot back another choice "
-                        f"(rerun with --repeat {RECOMMEND_ROUNDS}: a recommendation needs a lead "
-                        f"of more than {margin} in every round)"]
-    found = []  # ((recommended, what the baseline ran), size), with its worst round's ratio
-    worst: dict[int, float] = {}
+        return lines + [f"# recommend {base_name}: within noise: keeping {base_name} ({rounds} "
+                        f"round(s) measure no spread: rerun with --repeat {RECOMMEND_ROUNDS} for "
+                        f"a recommendation)"]
+    left_out = sorted({name for size in sizes for name in by_size[size]
+                       if not eligible([name], one_node=one_node, keep=named)})
+    if left_out:
+        lines.append(f"# left out of the advice on one node: {', '.join(left_out)} (made for "
+                     f"several nodes; name them in --algorithms to weigh them)")
+    verdicts = []  # ((kind, pick, what the baseline ran if it lost), (verdict, size))
     for size in sizes:
         base = by_size[size][base_name]
         ran = base.runs or base_name
-        winners = [r for r in by_size[size].values()
-                   if r.algorithm not in (base_name, ran) and _wins_every_round(r, base)]
-        if winners:
-            pick = min(winners, key=lambda r: r.avg_us)
-            found.append(((pick.algorithm, ran), size))
-            worst[size] = min(theirs / mine for mine, theirs in zip(pick.rounds_us,
-                                                                    base.rounds_us))
-    if not found:
-        return lines + [f"# recommend {base_name} at every size: nothing beat it by more than "
-                        f"{margin} in every one of {rounds} rounds"]
-    for (name, ran), group in _runs(found):
-        what = f"{base_name} (ran {ran})" if ran != base_name else base_name
-        lines.append(f"# recommend {_span(group)}: {name}, not {what}: faster by more than "
-                     f"{margin} in every one of {rounds} rounds ({base_name}'s time / its time, "
-                     f"worst round: " + ", ".join(f"{human(s)} {worst[s]:.2f}x" for s in group)
-                     + ")")
+        # the algorithm auto ran is the same code as auto: no challenger of it
+        samples = {name: list(row.rounds_us) for name, row in by_size[size].items()
+                   if name == base_name or name != ran}
+        verdict = decide(samples, base_name, one_node=one_node, explicit=named)
+        verdicts.append(((verdict.reason, verdict.pick, ran if verdict.reason == WIN else ""),
+                         (verdict, size)))
+    for (_, _, ran), group in _runs(verdicts):
+        lines.append(_advice(base_name, ran or base_name, group))
+    undecided = [size for _, (verdict, size) in verdicts if not verdict.decided]
+    if undecided:
+        lines.append(f"# within noise at {len(undecided)} of {len(sizes)} size(s): these rounds "
+                     f"cannot tell the algorithms apart there; more --repeat or an idle machine "
+                     f"can")
     return lines
 
 
-def summary_lines(rows: list[Row], algorithms: list[str], against: str = "native") -> list[str]:
+def summary_lines(rows: list[Row], algorithms: list[str], against: str = "native", *,
+                  one_node: bool = False, named: tuple[str, ...] = ()) -> list[str]:
     """Return one closing line per algorithm (mean busbw, the sizes where it beat the reference
     column, ``against``, beyond the spread, or its cost against comm.Allreduce for the call
-    modes), then the advice (:func:`recommendations`)."""
+    modes), then the advice (:func:`recommendations`; ``one_node``, ``named``: its
+    arguments)."""
     repeats = max((r.repeats for r in rows), default=1)
-    beyond = (f"in all {repeats} rounds" if repeats > 1
+    beyond = (f"beyond the spread of either one's {repeats} rounds" if repeats >= RECOMMEND_ROUNDS
+              else f"in all {repeats} rounds" if repeats > 1
               else "by at least 1%; one round, no spread measured")
+    reference = {r.size: r for r in rows if r.algorithm == against}
     lines = ["#", f"# summary: mean busbw over sizes; sizes where avg latency beat {against} "
                   f"({beyond})"]
     for name in algorithms:
@@ -225,11 +263,12 @@ def summary_lines(rows: list[Row], algorithms: list[str], against: str = "native
             if ratios:
                 line += f"; time / comm.Allreduce: {', '.join(ratios)}"
         elif name != against:
-            wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine if _beats_native(r)]
+            wins = [f"{human(r.size)} ({r.vs_native:.2f}x)" for r in mine
+                    if _beats(r, reference.get(r.size))]
             line += (f"; faster than {against} at {len(wins)} size(s): {', '.join(wins)}" if wins
                      else f"; never faster than {against}")
         lines.append(line)
-    return lines + ["#"] + recommendations(rows)
+    return lines + ["#"] + recommendations(rows, one_node=one_node, named=named)
 
 
 def write_json(path: str, meta: dict, rows: list[Row], notes: list[str]) -> None:
