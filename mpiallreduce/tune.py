@@ -5,9 +5,10 @@
 
 The offline form of what ``auto`` does online with ``MPIALLREDUCE_LEARN=on``
 (:mod:`mpiallreduce.learn`): time candidates interleaved, make each time the slowest rank's
-with one collective (:func:`mpiallreduce.learn.slowest`), keep the fastest; here every
-candidate, at every size, in both modes, and written to the table file, where learning times a
-handful per case that the running program meets and keeps it for the communicator
+with one collective (:func:`mpiallreduce.learn.slowest`), and let
+:func:`mpiallreduce.decide.decide` say whether one beats the incumbent beyond the noise; here
+every candidate, at every size, in both modes, and written to the table file, where learning
+times a handful per case that the running program meets and keeps it for the communicator
 (:func:`mpiallreduce.learn.save` writes what it learned in this same format).
 
 For every message size (powers of two), op class and mode (out of place, and in place: the
@@ -17,14 +18,21 @@ For every message size (powers of two), op class and mode (out of place, and in 
 after one untimed run (a fresh order each round, seeded alike on every rank: a rotated order
 ran each candidate right after the same other one every round, whose caches and pages it
 inherits), so a burst of load on a shared machine hits every candidate alike. A
-batch's time is the slowest rank's mean; a candidate's time is the median over rounds. The
-fastest candidate at each size wins; consecutive sizes with the same winner merge into one
-range. Op classes: ``commutative`` is float64 SUM; ``noncommutative`` is a user op declared
-non-commutative (an elementwise add through ``MPI.Op.Create``, so native and the schedules pay
-the same user-op call), with only the order-keeping algorithms as candidates.
+batch's time is the slowest rank's mean; a candidate's time is the median over rounds. At
+each size :func:`mpiallreduce.decide.decide` judges the rounds with ``native`` as the
+incumbent (MPI's own is what a table entry replaces): a candidate wins only if its median beats
+native's by more than the spread of either one's rounds; otherwise the size keeps native and
+its line says "within noise" (so it does with fewer than
+:data:`mpiallreduce.decide.MIN_ROUNDS` rounds, or with rounds of native too spread to judge).
+On one node ``hierarchical`` and ``cascade`` (made for several nodes) are not timed.
+Consecutive sizes with the same pick merge into one range. Op classes: ``commutative`` is
+float64 SUM; ``noncommutative`` is a user op declared non-commutative (an elementwise add
+through ``MPI.Op.Create``, so native and the schedules pay the same user-op call), with only
+the order-keeping algorithms as candidates.
 
 Rank 0 writes the table (JSON in the format of the built-in rules, see :mod:`mpiallreduce.select`:
-the table names a provenance record with the machine, date, command and every median measured)
+the table names a provenance record with the machine, date, command, every median measured
+and each size's verdict)
 to ``--output``,
 ``$MPIALLREDUCE_TUNING`` or :func:`mpiallreduce.select.default_path` (in that order), replacing
 the table of the same communicator size and keeping the others, so one file holds one table per
@@ -52,7 +60,9 @@ from mpi4py import MPI
 import mpiallreduce as mar
 
 from . import algorithms, learn, select
+from .decide import Verdict, decide, eligible
 from .sizes import UsageError, human, parse_sizes
+from .topology import Topology
 
 DEFAULT_SIZES = "8:64M"
 DEFAULT_REPEATS = 5
@@ -81,13 +91,15 @@ def _add(inbuf, inoutbuf, datatype):
     np.add(a, b, out=b)
 
 
-def candidates(op_class: str) -> list[Candidate]:
+def candidates(op_class: str, one_node: bool = False) -> list[Candidate]:
     """Return every registered algorithm that accepts ``op_class``, native and the shared-memory
     transport (it keeps rank order; it refuses a communicator that spans nodes, and
-    :func:`measure` leaves out what refuses), with defaults."""
+    :func:`measure` leaves out what refuses), with defaults; on one node, not the algorithms
+    made for several (:func:`mpiallreduce.decide.eligible`)."""
     names = [name for name, algorithm in algorithms.REGISTRY.items()
              if op_class == "commutative" or not algorithm.commutative_only]
-    return [Candidate(name, name) for name in ["native", "shm", *names]]
+    return [Candidate(name, name)
+            for name in eligible(["native", "shm", *names], one_node=one_node)]
 
 
 def interleaved(comm, calls: list, size: int, repeats: int) -> np.ndarray:
@@ -121,6 +133,15 @@ def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
             in_place: bool = False) -> dict[str, float]:
     """Return each candidate's median seconds per call at ``size`` bytes (float64), the same on
     every rank; candidates that refuse the case (ValueError from ``plan``) are left out."""
+    return {label: statistics.median(times)
+            for label, times in measure_rounds(comm, cands, size, repeats, op, in_place).items()}
+
+
+def measure_rounds(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
+                   in_place: bool = False) -> dict[str, list[float]]:
+    """Return each candidate's seconds per call in every round (the slowest rank's) at
+    ``size`` bytes (float64), the same on every rank; candidates that refuse the case
+    (ValueError from ``plan``) are left out."""
     count = size // 8
     x = np.random.default_rng([comm.rank, count]).integers(-8, 9, count).astype(np.float64)
     # in place, zeros: each run's input is the last one's result, and zeros stay zeros
@@ -139,18 +160,23 @@ def measure(comm, cands: list[Candidate], size: int, repeats: int, op=MPI.SUM,
     finally:
         for plan in plans.values():
             plan.free()
-    return {label: statistics.median(rounds[:, index]) for index, label in enumerate(labels)}
+    return {label: rounds[:, index].tolist() for index, label in enumerate(labels)}
 
 
-def decide(sizes: list[int], medians: list[dict[str, float]]) -> list[dict]:
-    """Return the ranges of the decision table: the fastest at each size, equal neighbours merged.
+def verdict(rounds: dict[str, list[float]], one_node: bool) -> Verdict:
+    """The decision at one size: :func:`mpiallreduce.decide.decide` over each candidate's
+    rounds, native the incumbent."""
+    return decide(rounds, "native", one_node=one_node)
 
-    The winner at size ``s`` covers ``[s, next measured size)``; the first range starts at 0
+
+def ranges(sizes: list[int], picks: list[str]) -> list[dict]:
+    """Return the ranges of the decision table: the pick at each size, equal neighbours merged.
+
+    The pick at size ``s`` covers ``[s, next measured size)``; the first range starts at 0
     and the last has no end (``max_bytes`` None).
     """
     ranges: list[dict] = []
-    for index, (size, times) in enumerate(zip(sizes, medians)):
-        best = min(times, key=lambda label: (times[label], label))
+    for index, (size, best) in enumerate(zip(sizes, picks)):
         if ranges and ranges[-1]["algorithm"] == best:
             ranges[-1]["max_bytes"] = None
         else:
@@ -168,28 +194,40 @@ def tune(comm, sizes: list[int], repeats: int, out=None,
     communicator size's table and its provenance record (machine, date, command, the medians
     measured), as :func:`mpiallreduce.select.write_table` takes them."""
     out = sys.stdout if out is None else out
-    classes, measured = {}, {}
+    classes, measured, verdicts = {}, {}, {}
+    one_node = Topology.from_comm(comm).nnodes == 1  # collective, as every call here
+    undecided = total = 0
     user_op = MPI.Op.Create(_add, commute=False)
     try:
         for op_class, op in (("commutative", MPI.SUM), ("noncommutative", user_op)):
             for mode in modes:
                 name = op_class + ("_in_place" if mode == "in" else "")
-                medians = []
+                medians, picks = [], []
                 for size in sizes:
-                    times = measure(comm, candidates(op_class), size, repeats, op=op,
-                                    in_place=mode == "in")
+                    rounds = measure_rounds(comm, candidates(op_class, one_node), size, repeats,
+                                            op=op, in_place=mode == "in")
+                    times = {label: statistics.median(t) for label, t in rounds.items()}
+                    judged = verdict(rounds, one_node)  # the same rounds on every rank
                     medians.append(times)
+                    picks.append(judged.pick)
+                    verdicts.setdefault(name, {})[str(size)] = judged.text
+                    total += 1
+                    undecided += not judged.decided
                     if comm.rank == 0:
                         ranked = sorted(times, key=times.get)
                         print(f"# {name:>25} {human(size):>5}: " + ", ".join(
-                            f"{label} {1e6 * times[label]:.1f}us" for label in ranked),
-                            file=out, flush=True)
-                classes[name] = decide(sizes, medians)
+                            f"{label} {1e6 * times[label]:.1f}us" for label in ranked)
+                            + f" -> {judged.text}", file=out, flush=True)
+                classes[name] = ranges(sizes, picks)
                 measured[name] = {str(size): {label: round(1e6 * t, 3)
                                               for label, t in m.items()}
                                   for size, m in zip(sizes, medians)}
     finally:
         user_op.Free()
+    if comm.rank == 0 and undecided:
+        print(f"# within noise at {undecided} of {total} size(s) and class(es): the table keeps "
+              f"native there (more --repeats, or an idle machine, can tell them apart)",
+              file=out, flush=True)
     library = MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00")
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -202,6 +240,7 @@ def tune(comm, sizes: list[int], repeats: int, out=None,
         "measured": {"unit": "median us per call over interleaved rounds, slowest rank, "
                              "float64 (commutative: SUM; noncommutative: a user add)",
                      "load": load, **measured},
+        "verdicts": verdicts,
     }
     table = {"nranks": comm.size, "provenance": f"tune-n{comm.size}", "classes": classes}
     return table, record

@@ -127,13 +127,25 @@ def test_write_refuses_a_table_choose_would_ignore(tmp_path):
     assert not (tmp_path / "t.json").exists()
 
 
-def test_decide_merges_equal_neighbours_into_ranges():
-    sizes = [8, 16, 32, 64]
-    medians = [{"native": 1, "ring": 2}, {"native": 1, "ring": 2}, {"native": 3, "ring": 2},
-               {"native": 3, "ring": 2}]
-    assert tune.decide(sizes, medians) == [
+def test_ranges_merge_equal_neighbours():
+    assert tune.ranges([8, 16, 32, 64], ["native", "native", "ring", "ring"]) == [
         {"min_bytes": 0, "max_bytes": 32, "algorithm": "native"},
         {"min_bytes": 32, "max_bytes": None, "algorithm": "ring"}]
+
+
+def test_a_size_keeps_native_unless_beaten_beyond_the_noise():
+    """tune's pick per size is :func:`mpiallreduce.decide.decide`'s, native the incumbent."""
+    steady = [10.0, 10.1, 9.9, 10.0, 10.2]
+    clear = tune.verdict({"native": steady, "ring": [5.0, 5.1, 4.9, 5.0, 5.2]}, one_node=True)
+    assert (clear.pick, clear.decided) == ("ring", True)
+    close = tune.verdict({"native": steady, "ring": [9.5, 11.0, 8.0, 9.9, 10.5]}, one_node=True)
+    assert close.pick == "native" and not close.decided
+    assert close.text.startswith("within noise: keeping native")
+    one_round = tune.verdict({"native": [10.0], "ring": [1.0]}, one_node=False)
+    assert one_round.pick == "native" and "within noise" in one_round.text
+    far = {"native": steady, "cascade": [1.0] * 5}
+    assert tune.verdict(far, one_node=True).pick == "native"
+    assert tune.verdict(far, one_node=False).pick == "cascade"
 
 
 def test_candidates_are_every_registered_algorithm_that_accepts_the_op_class():
@@ -141,6 +153,10 @@ def test_candidates_are_every_registered_algorithm_that_accepts_the_op_class():
     assert [c.algorithm for c in tune.candidates("commutative")] == ["native", "shm", *REGISTRY]
     order_keeping = [c.algorithm for c in tune.candidates("noncommutative")]
     assert "knomial" in order_keeping and "shm" in order_keeping and "ring" not in order_keeping
+    # on one node, nothing made for several nodes is timed
+    one_node = [c.algorithm for c in tune.candidates("commutative", one_node=True)]
+    assert one_node == [name for name in ["native", "shm", *REGISTRY]
+                        if name not in ("hierarchical", "cascade")]
 
 
 def test_ring_segmented_default_segment_follows_message_size_and_cache():
@@ -169,6 +185,13 @@ def test_tune_under_mpirun_writes_a_table_choose_reads(tmp_path):
     assert set(record) >= set(select.PROVENANCE_FIELDS)
     assert "mpiallreduce.tune --sizes 8:64 --repeats 1" in record["command"]
     assert set(record["measured"]["commutative"]) == {"8", "16", "32", "64"}
+    # one round measures no spread: every size keeps native, and says so
+    assert set(record["verdicts"]["commutative"]) == {"8", "16", "32", "64"}
+    assert all(text.startswith("within noise: keeping native")
+               for text in record["verdicts"]["commutative"].values())
+    assert "-> within noise: keeping native" in result.stdout
+    assert all(r["algorithm"] == "native" for ranges in data["tables"][0]["classes"].values()
+               for r in ranges)
 
 
 def test_a_table_keeps_its_provenance_and_a_rewrite_drops_only_its_own(table_file):
