@@ -13,9 +13,14 @@ a burst of load hits every candidate alike. (Timed straight after another candid
 ``shm`` in place at 256 KiB-2 MiB lost to native and the ring, which it beats when repeated:
 a cold call does not price a repeated one.) A one-shot call's candidate is timed with the
 argument check it will pay once bound (one more check, except for ``shm``, whose run checks
-the arguments itself). After the last, every rank takes each candidate's least time, one
-``Allreduce(MAX)`` on the private communicator makes them the slowest rank's, and the fastest
-of those wins: the same bits on every rank, so the same choice, by construction.
+the arguments itself). After the last, one ``Allreduce(MAX)`` on the private communicator makes
+every candidate's time in every round the slowest rank's, and :func:`mpiallreduce.decide.decide`
+judges those rounds with the rules' choice as the incumbent: a candidate replaces it only if its
+median beats the rules' choice by more than the spread of either one's rounds. The same bits
+on every rank, so the same verdict, by construction. Where the measurement cannot tell (a lead
+within the noise, fewer than :data:`mpiallreduce.decide.MIN_ROUNDS` runs, a machine too busy),
+the rules' choice stays and the case's record says "within noise" (:func:`learned`). On one
+node ``hierarchical`` and ``cascade`` are never candidates.
 
 Every rank makes the same calls on a communicator in the same order (MPI's rule), so each
 case's count of calls, and with it the candidate a call runs and the call that decides, is the
@@ -29,7 +34,7 @@ stays in the path then, at the cost of a counter per call).
 
 Cost: the first ``2 * runs * len(candidates)`` calls of a case run the candidates (each
 call one run of one of them, plus a timer) and the last adds one ``Allreduce`` of
-``len(candidates)`` doubles; :func:`learned` reports the calls and seconds each case took.
+``runs * len(candidates)`` doubles; :func:`learned` reports the calls and seconds each case took.
 :func:`save` writes what was learned as a measured table (:mod:`.select`'s format).
 """
 
@@ -38,11 +43,12 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 
 import numpy as np
 from mpi4py import MPI
 
-from . import select
+from . import decide, select
 from ._agree import Signature, agree
 from ._checks import ALGORITHMS
 from ._state import state as comm_state
@@ -59,13 +65,17 @@ class Record:
     """One case's learning: its candidates, this rank's timings, the agreed choice."""
 
     def __init__(self, key: tuple, candidates: tuple[str, ...], ruled: str, runs: int,
-                 relearn: int):
+                 relearn: int, one_node: bool = False):
         self.key = key
         self.candidates = list(candidates)
-        self.ruled = ruled  # the rules' choice: runs with a deadline until one is learned
+        # the rules' choice: the incumbent of the decision, and what runs with a deadline
+        # until the case is decided
+        self.ruled = ruled
         self.runs, self.relearn = runs, relearn
+        self.one_node = one_node
         self.winner: str | None = None
-        self.agreed: dict[str, float] = {}  # least seconds per run, slowest rank
+        self.verdict: decide.Verdict | None = None  # the last decision's
+        self.agreed: dict[str, float] = {}  # median seconds per run over rounds, slowest rank
         self.rounds = 0  # decisions made
         self.learning_calls = 0  # calls that ran a candidate, every round
         self.cost = 0.0  # seconds this rank spent in them
@@ -102,11 +112,19 @@ class Record:
             self._restart()  # the round again, without it
 
     def decide(self, comm: MPI.Intracomm) -> str:
-        """Agree on the fastest (collective: every rank calls it at the same call)."""
-        # the fastest run of each (interleaved: a burst of load on a shared machine slows
-        # whichever candidate it meets; the least time is the one it did not meet)
-        local = {name: min(samples) for name, samples in self.samples.items()}
-        self.winner, self.agreed = fastest(comm, self.candidates, local)
+        """Agree on the rounds, then decide (collective: every rank calls it at the same call).
+
+        Every rank's time of each candidate in each round becomes the slowest rank's (one
+        ``Allreduce(MAX)``), so every rank judges the same bits with
+        :func:`mpiallreduce.decide.decide` and reaches the same verdict."""
+        names = self.candidates
+        rounds = min(len(self.samples[name]) for name in names)
+        agreed = slowest(comm, [[self.samples[name][index] for name in names]
+                                for index in range(rounds)])
+        times = {name: agreed[:, column].tolist() for column, name in enumerate(names)}
+        self.verdict = decide.decide(times, self.ruled, one_node=self.one_node)
+        self.winner = self.verdict.pick
+        self.agreed = {name: statistics.median(values) for name, values in times.items()}
         self.rounds += 1
         self.since = 0
         return self.winner
@@ -119,9 +137,12 @@ class Record:
 
     def report(self) -> dict:
         bucket, in_place, commutative, deviates, dtype, _ = self.key
+        verdict = self.verdict
         return {"bytes": bucket, "in_place": in_place, "commutative": commutative,
                 "dtype": np.dtype(dtype).name, "candidates": list(self.candidates),
                 "ruled": self.ruled, "winner": self.winner,
+                "decided": None if verdict is None else verdict.decided,
+                "verdict": None if verdict is None else verdict.text,
                 "agreed_us": {name: round(1e6 * t, 3) for name, t in self.agreed.items()},
                 "learning_calls": self.learning_calls, "learning_seconds": self.cost,
                 "rounds": self.rounds}
@@ -134,14 +155,6 @@ def slowest(comm: MPI.Intracomm, seconds) -> np.ndarray:
     if comm.Get_size() > 1:
         comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
     return times
-
-
-def fastest(comm: MPI.Intracomm, names, seconds: dict) -> tuple[str, dict]:
-    """Return the fastest of ``names`` and every one's time, agreed across ``comm``: each
-    rank's ``seconds[name]`` (missing: never) as the slowest rank's (:func:`slowest`), ties to
-    the earlier name. Collective; the same answer on every rank."""
-    times = slowest(comm, [seconds.get(name, np.inf) for name in names])
-    return names[int(np.argmin(times))], dict(zip(names, times.tolist()))
 
 
 def case(call) -> tuple:
@@ -171,10 +184,14 @@ def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, one_n
     key = case(call)
     record = cases.get(key)
     if record is None:
+        single = one_node()
         candidates = select.learn_candidates(
-            nranks, call.recv.nbytes, call.reducer, call.send is None, one_node(), ruled,
+            nranks, call.recv.nbytes, call.reducer, call.send is None, single, ruled,
             call.recv.dtype.str, call.topology)
-        record = cases[key] = Record(key, candidates, ruled, settings.runs, settings.relearn)
+        # on one node, no algorithm made for several (the decision would leave it out anyway)
+        candidates = tuple(decide.eligible(candidates, one_node=single, keep=(ruled,)))
+        record = cases[key] = Record(key, candidates, ruled, settings.runs, settings.relearn,
+                                     one_node=single)
     if record.winner is not None and not record.relearn:
         return record.winner
     return LEARNING
@@ -280,7 +297,8 @@ class Learner:
 
     def __repr__(self) -> str:
         record = self.record
-        doing = (f"learned {record.winner}" if record.winner
+        noise = "" if record.verdict is None or record.verdict.decided else " within noise"
+        doing = (f"learned {record.winner}{noise}" if record.winner
                  else f"learning {', '.join(record.candidates)}")
         return f"<mpiallreduce.Plan auto ({doing}) count={self.recvbuf.size}>"
 
@@ -305,7 +323,9 @@ def forget(state, record: Record) -> None:
 
 def learned(comm) -> list[dict]:
     """What ``auto`` learned on ``comm`` so far (this rank's view; the choices are every
-    rank's): one dict per case with its candidates, winner, agreed times (us) and cost."""
+    rank's): one dict per case with its candidates, winner, the verdict (``decided``: False
+    where the rules' choice was kept because the measurement could not tell; ``verdict``: the
+    decision in words, "within noise: keeping ..." then), agreed median times (us) and cost."""
     return [record.report() for record in records(comm_state(comm)).values()]
 
 
@@ -318,6 +338,7 @@ def save(comm, path: str | None = None) -> str:
     path = path or select.table_path() or select.default_path()
     classes: dict[str, list] = {}
     measured: dict[str, dict] = {}
+    verdicts: dict[str, dict] = {}
     for record in sorted(records(comm_state(comm)).values(), key=lambda r: r.key[:3]):
         if record.winner is None or record.key[5] is not None or record.key[3]:
             continue  # not decided; a topology passed; 8/16-bit sums (their own rule)
@@ -334,6 +355,7 @@ def save(comm, path: str | None = None) -> str:
         ranges.append({"min_bytes": bucket, "max_bytes": None, "algorithm": record.winner})
         measured.setdefault(name, {})[str(bucket)] = {
             k: round(1e6 * t, 3) for k, t in record.agreed.items()}
+        verdicts.setdefault(name, {})[str(bucket)] = record.verdict.text
     for name, ranges in classes.items():  # equal neighbours merge
         merged = []
         for item in ranges:
@@ -348,8 +370,9 @@ def save(comm, path: str | None = None) -> str:
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {library}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": f"learned by auto in a run of {size} rank(s) (mpiallreduce.learn.save)",
-        "measured": {"unit": "least us per call of the learning runs, slowest rank, per size "
-                             "bucket", **measured},
+        "measured": {"unit": "median us per call over the learning's interleaved rounds, "
+                             "slowest rank per round, per size bucket", **measured},
+        "verdicts": verdicts,
     }
     table = {"nranks": size, "provenance": f"learned-n{size}", "classes": classes}
     if comm.Get_rank() == 0 and classes:

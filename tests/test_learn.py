@@ -110,3 +110,45 @@ def test_each_candidate_is_timed_on_the_call_after_one_of_its_own():
     assert sequence == [step for _ in range(2) for name in ("shm", "native", "ring")
                         for step in [(name, False), (name, True)]]
     assert all(len(samples) == 2 for samples in record.samples.values())
+
+
+def _record(runs: int, one_node: bool = True):
+    from mpiallreduce import learn
+
+    key = (1 << 20, False, True, False, np.dtype(np.float64).str, None)
+    return learn.Record(key, ("shm", "native", "ring"), "shm", runs=runs, relearn=0,
+                        one_node=one_node)
+
+
+def _learn(record, times: dict) -> str:
+    """Feed ``times[name][round]`` as the timed calls, in the order the record asks."""
+    seen = dict.fromkeys(times, 0)
+    while record.calls < record.total:
+        name, timed = record.due()
+        record.ran(name, times[name][seen[name]] if timed else 1.0, timed)
+        seen[name] += timed
+    return record.decide(MPI.COMM_SELF)
+
+
+def test_learning_decides_by_the_one_rule_with_the_rules_choice_as_incumbent():
+    """The medians of the rounds, judged by :func:`mpiallreduce.decide.decide`: a lead beyond
+    the noise replaces the rules' choice; within it, the rules' choice stays and the record
+    says so."""
+    steady = [1e-5, 1.01e-5, 0.99e-5, 1e-5, 1.02e-5]
+    record = _record(5)
+    clear = {"shm": steady, "native": [2e-5] * 5, "ring": [t / 2 for t in steady]}
+    assert _learn(record, clear) == "ring"
+    report = record.report()
+    assert report["decided"] is True and report["verdict"].startswith("ring beats shm by ")
+    assert report["agreed_us"]["ring"] == pytest.approx(5.0)  # the median, in us
+    record = _record(5)
+    close = {"shm": steady, "native": [2e-5] * 5, "ring": [0.9e-5, 1.2e-5, 0.8e-5, 1.1e-5, 0.95e-5]}
+    assert _learn(record, close) == "shm"
+    assert record.report()["decided"] is False
+    assert record.report()["verdict"].startswith("within noise: keeping shm (ring leads by")
+
+
+def test_one_run_per_candidate_keeps_the_rules_choice():
+    record = _record(1)
+    assert _learn(record, {"shm": [1.0], "native": [0.1], "ring": [0.2]}) == "shm"
+    assert record.verdict.reason == "too few rounds" and not record.verdict.decided

@@ -239,3 +239,45 @@ def test_learning_is_off_by_default(comm, monkeypatch):
     for _ in range(_enough(comm)):
         mar.allreduce(x, out, comm=comm)
     assert _records(comm) == []
+
+
+def test_one_run_per_candidate_keeps_the_rules_choice_and_says_within_noise(comm):
+    """One timed run measures no spread: every rank keeps the rules' choice, and the record
+    says "within noise"."""
+    x = contribution(comm, 1000, "float64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    for row in learn.learned(comm):
+        assert row["winner"] == row["ruled"] and row["decided"] is False
+        assert row["verdict"].startswith(f"within noise: keeping {row['ruled']}")
+    _same_choices(comm)
+
+
+def test_rounds_agreed_before_deciding_give_one_verdict_on_every_rank(comm, monkeypatch):
+    monkeypatch.setenv(select.LEARN_RUNS_ENV, "3")
+    x = contribution(comm, 4096, "float64")
+    out = np.empty_like(x)
+    for _ in range(3 * _enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    rows = [(r["winner"], r["decided"], r["verdict"], r["agreed_us"]) for r in learn.learned(comm)]
+    assert_on_every_rank(comm, None if len(set(map(repr, comm.allgather(rows)))) == 1
+                         else f"rank {comm.rank}: verdicts differ across ranks: {rows}")
+    if comm.size > 1:
+        assert rows and all(winner is not None for winner, *_ in rows)
+
+
+def test_one_node_never_times_the_multi_node_algorithms(comm):
+    from mpiallreduce.topology import Topology
+
+    one_node = Topology.from_comm(comm).nnodes == 1
+    x = contribution(comm, 1 << 16, "float64")
+    out = np.empty_like(x)
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm)
+    for record in _records(comm):
+        assert record.one_node == one_node
+        if one_node:
+            assert not {"hierarchical", "cascade"} & set(record.candidates), record.candidates
