@@ -257,8 +257,10 @@ def main(argv=None) -> int:
     print("\n".join(table(results, floor)), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
+            # each configuration's environment: mpiallreduce.native_rules turns the strongest
+            # one per size into the library's own rules file
             json.dump({"library": library, "ranks": args.ranks, "repeats": args.repeats,
-                       "floor_us": floor, "results": results}, file, indent=1)
+                       "configs": chosen, "floor_us": floor, "results": results}, file, indent=1)
     name = args.results
     if name is None:  # a test's tiny sweep must not replace the measured file
         name = "" if "PYTEST_CURRENT_TEST" in os.environ else "native_sweep"
