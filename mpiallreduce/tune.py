@@ -279,7 +279,21 @@ def main(argv=None, comm=None, out=None) -> int:
     parser.add_argument("--modes", default="out,in", metavar="out,in",
                         help="the table's modes: out of place, in place (its own ranges, "
                              "which auto follows for in-place calls); default: out,in")
+    parser.add_argument("--export", choices=("openmpi-rules", "mpich-json"), default=None,
+                        help="write the native sweep's strongest MPI configuration per size in "
+                             "the MPI's own rules format (to --output, else stdout); time "
+                             "nothing here (mpiallreduce.native_rules)")
+    parser.add_argument("--from", dest="source", metavar="SWEEP.json", default=None,
+                        help="with --export: scripts/native_sweep.py --json output (default: "
+                             "run that sweep first)")
     args = parser.parse_args(argv)
+    if args.export:
+        from . import native_rules
+
+        status = native_rules.main(args.export, args.source, args.output, out) \
+            if comm.rank == 0 else 0
+        comm.Barrier()  # the file is complete before any rank returns
+        return status
     try:
         sizes = [s for s in parse_sizes(args.sizes) if s >= 8]  # float64 elements
     except UsageError as exc:
