@@ -25,9 +25,12 @@ Formats:
   not above the ranks (what the sweep timed: the tree skips the checks the
   ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM`` path makes).
 
-Open MPI's format cannot tell ops apart: a rule naming ring (4) or segmented ring (5) applies to
-non-commutative user ops too, which those combine out of rank order (as forcing them with
-``OMPI_MCA_coll_tuned_allreduce_algorithm`` does); keep such programs on the default.
+Open MPI's format cannot tell ops apart: a rule naming ring (4), segmented ring (5) or
+Rabenseifner (6) would apply to non-commutative user ops too, which ring and segmented ring
+combine out of rank order (as forcing them with ``OMPI_MCA_coll_tuned_allreduce_algorithm``
+does). So where the sweep measured one of those strongest, the file names the built-in decision
+(0, which checks the op) unless ``allow_reordering`` (``tune --export ... --allow-reordering``)
+says every program that reads the file uses commutative ops only.
 
 Either way the measured choice holds for communicators of exactly the measured size; every
 other size, and every size range where the library's default was strongest, keeps the library's
@@ -50,6 +53,10 @@ OPEN_MPI_ALLREDUCE = 2
 OPEN_MPI_ALGORITHMS = {0: "built-in decision", 1: "basic linear", 2: "nonoverlapping",
                        3: "recursive doubling", 4: "ring", 5: "segmented ring",
                        6: "rabenseifner"}
+#: the ids that may combine out of rank order: coll_base_allreduce.c documents ring and
+#: segmented ring as "only for commutative operations"; Rabenseifner's reduce-scatter is held to
+#: the same rule, since a rules file that lets one wrong sum through is worse than a slower one
+OPEN_MPI_REORDERING = frozenset({4, 5, 6})
 _OMPI_ALGORITHM = "OMPI_MCA_coll_tuned_allreduce_algorithm"
 _OMPI_SEGMENT = "OMPI_MCA_coll_tuned_allreduce_algorithm_segmentsize"
 _MPICH_ALGORITHM = "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM"
@@ -111,20 +118,31 @@ def openmpi_algorithm(env: dict) -> tuple[int, int]:
     return algorithm, int(env.get(_OMPI_SEGMENT, 0))
 
 
-def openmpi_rules(ranks: int, table: list[tuple[int, dict]], source: str = "") -> str:
+def openmpi_rules(ranks: int, table: list[tuple[int, dict]], source: str = "",
+                  allow_reordering: bool = False) -> str:
     """Return the coll/tuned dynamic rules file for allreduce at ``ranks`` ranks.
 
     A second communicator size, ``ranks + 1``, hands larger communicators back to the built-in
     decision (the library applies the rule of the largest size not above the communicator's).
+    Without ``allow_reordering`` a size whose strongest configuration may combine out of rank
+    order (:data:`OPEN_MPI_REORDERING`) gets the built-in decision instead.
     """
     if ranks < 1:
         raise RulesError(f"ranks must be >= 1, got {ranks}")
     lines = ["# coll/tuned dynamic rules: allreduce as mpiallreduce's native sweep measured it"]
     if source:
         lines.append(f"# from {source}")
+    picks = [(size, openmpi_algorithm(env)) for size, env in table]
+    if not allow_reordering:
+        kept = [(size, (0, 0) if pick[0] in OPEN_MPI_REORDERING else pick) for size, pick in picks]
+        if kept != picks:
+            lines.append("# sizes where ring, segmented ring or rabenseifner measured strongest "
+                         "keep the built-in decision: they may combine non-commutative ops out "
+                         "of rank order (--allow-reordering writes them)")
+        picks = kept
     lines += ["1  # collectives", f"{OPEN_MPI_ALLREDUCE}  # allreduce", "2  # communicator sizes",
               f"{ranks}  # ranks: the measured choice"]
-    spans = ranges([(size, openmpi_algorithm(env)) for size, env in table])
+    spans = ranges(picks)
     lines.append(f"{len(spans)}  # message sizes")
     for start, _, (algorithm, segment) in spans:
         lines.append(f"{start} {algorithm} 0 {segment}  # {OPEN_MPI_ALGORITHMS[algorithm]}")
@@ -225,14 +243,16 @@ def _loaded_libmpi() -> pathlib.Path:
 
 
 def export(fmt: str, sweep: dict, mode: str = "out", source: str = "",
-           builtin: dict | None = None) -> str:
-    """Return the rules file of format ``fmt`` for a sweep's measured choice."""
+           builtin: dict | None = None, allow_reordering: bool = False) -> str:
+    """Return the rules file of format ``fmt`` for a sweep's measured choice
+    (``allow_reordering``: see :func:`openmpi_rules`; MPICH's tree keeps user ops on the
+    default whatever it is)."""
     table = choices(sweep, mode)
     if fmt == "openmpi-rules":
         if "Open MPI" not in sweep.get("library", "Open MPI"):
             raise RulesError(f"openmpi-rules from a sweep of {sweep['library']!r}: sweep "
                              f"under Open MPI")
-        return openmpi_rules(sweep["ranks"], table, source)
+        return openmpi_rules(sweep["ranks"], table, source, allow_reordering)
     if fmt == "mpich-json":
         if "MPICH" not in sweep.get("library", "MPICH"):
             raise RulesError(f"mpich-json from a sweep of {sweep['library']!r}: sweep under MPICH")
@@ -255,7 +275,8 @@ def run_sweep(path: pathlib.Path, timeout: float = 3600) -> None:
         raise RulesError(f"scripts/native_sweep.py exited with status {status}")
 
 
-def main(fmt: str, source: str | None, output: str | None, out=None) -> int:
+def main(fmt: str, source: str | None, output: str | None, out=None,
+         allow_reordering: bool = False) -> int:
     """Export ``fmt`` from the sweep file ``source`` (None: run the sweep) to ``output`` (None:
     ``out``); return the exit status. tune's ``--export`` calls this."""
     out = sys.stdout if out is None else out
@@ -264,7 +285,8 @@ def main(fmt: str, source: str | None, output: str | None, out=None) -> int:
             path = pathlib.Path(source) if source else pathlib.Path(folder) / "sweep.json"
             if not source:
                 run_sweep(path)
-            text = export(fmt, json.loads(path.read_text()), source=str(source or "a sweep"))
+            text = export(fmt, json.loads(path.read_text()), source=str(source or "a sweep"),
+                          allow_reordering=allow_reordering)
     except (RulesError, OSError, json.JSONDecodeError) as exc:
         print(f"mpiallreduce.tune --export: {exc}", file=sys.stderr, flush=True)
         return 2

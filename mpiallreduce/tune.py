@@ -286,12 +286,17 @@ def main(argv=None, comm=None, out=None) -> int:
     parser.add_argument("--from", dest="source", metavar="SWEEP.json", default=None,
                         help="with --export: scripts/native_sweep.py --json output (default: "
                              "run that sweep first)")
+    parser.add_argument("--allow-reordering", action="store_true",
+                        help="with --export openmpi-rules: name ring, segmented ring and "
+                             "rabenseifner where they measured strongest, although Open MPI "
+                             "then runs them for non-commutative ops too (default: the "
+                             "built-in decision there)")
     args = parser.parse_args(argv)
     if args.export:
         from . import native_rules
 
-        status = native_rules.main(args.export, args.source, args.output, out) \
-            if comm.rank == 0 else 0
+        status = native_rules.main(args.export, args.source, args.output, out,
+                                   args.allow_reordering) if comm.rank == 0 else 0
         comm.Barrier()  # the file is complete before any rank returns
         return status
     try:

@@ -83,12 +83,16 @@ def test_ranges_split_at_the_geometric_midpoint_and_merge_equal_neighbours():
 def test_openmpi_rules_follow_coll_tuned_grammar():
     data = sweep("Open MPI v5.0.11", {8: "default", 64 << 10: "tuned 4", 8 << 20: "tuned 5",
                                       64 << 20: "tuned 5"}, OMPI)
-    text = native_rules.export("openmpi-rules", data)
+    text = native_rules.export("openmpi-rules", data, allow_reordering=True)
     rules = native_rules.parse_openmpi_rules(text)
     assert list(rules) == [native_rules.OPEN_MPI_ALLREDUCE] == [2]
     # the measured ranks get the choice; from 3 ranks up the built-in decision (algorithm 0)
     assert rules[2] == {2: [(0, 0, 0, 0), (725, 4, 0, 0), (741456, 5, 0, 262144)],
                         3: [(0, 0, 0, 0)]}
+    # by default ring and segmented ring, which Open MPI would also run for non-commutative
+    # ops, give way to the built-in decision, which checks the op
+    safe = native_rules.parse_openmpi_rules(native_rules.export("openmpi-rules", data))
+    assert safe[2] == {2: [(0, 0, 0, 0)], 3: [(0, 0, 0, 0)]}
 
 
 @pytest.mark.parametrize("text, problem", [
@@ -146,6 +150,10 @@ def test_tune_export_writes_the_file_from_a_sweep(tmp_path):
                       str(target)], out=out) == 0
     assert f"wrote openmpi-rules to {target}" in out.getvalue()
     assert native_rules.parse_openmpi_rules(target.read_text())[2][2] == [(0, 1, 0, 0),
+                                                                          (91, 0, 0, 0)]
+    assert tune.main(["--export", "openmpi-rules", "--from", str(source), "--output",
+                      str(target), "--allow-reordering"], out=out) == 0
+    assert native_rules.parse_openmpi_rules(target.read_text())[2][2] == [(0, 1, 0, 0),
                                                                           (91, 4, 0, 0)]
     assert tune.main(["--export", "openmpi-rules", "--from", str(tmp_path / "none.json")],
                      out=out) == 2
@@ -195,7 +203,7 @@ def test_open_mpi_follows_the_exported_rules_per_message_size(tmp_path):
     for below, above in (("tuned 1", "tuned 4"), ("tuned 4", "tuned 1")):
         path = tmp_path / f"{below}.rules"
         path.write_text(native_rules.export("openmpi-rules", sweep(
-            "Open MPI v5.0.11", {8: below, 1024: above}, OMPI)))
+            "Open MPI v5.0.11", {8: below, 1024: above}, OMPI), allow_reordering=True))
         expected = {"tuned 1": LINEAR, "tuned 4": RING}
         halves = {"tuned 1": [[32], []], "tuned 4": [[16], [16]]}
         assert signature(sys.executable, _rules_env(path), (8, 32)) == [
