@@ -248,19 +248,48 @@ def learn_settings() -> LearnSettings:
     """Read the learning switches from the environment (``MPIALLREDUCE_LEARN=off|on``,
     ``MPIALLREDUCE_LEARN_RUNS=N`` (>= 1), ``MPIALLREDUCE_RELEARN_EVERY=N`` (>= 0)); ValueError
     naming a bad value. Every rank must set them alike (:func:`digest` folds them in, so the
-    agreement check says so where they differ)."""
+    agreement check says so where they differ). Parsed once per set of values
+    (:func:`environment`): a variable changed at run time is read again at the next call."""
+    return _learning(environment(_LEARN_KEYS))
+
+
+@functools.lru_cache(maxsize=8)
+def _learning(values: tuple) -> LearnSettings:
+    """``values``: the variables as :func:`environment` read them, the cache's key (a bad value
+    raises, and raises again at every call: nothing is cached for it)."""
     env = os.environ
     mode = env.get(LEARN_ENV, "").strip().lower() or LEARN_DEFAULT
     if mode not in ("on", "off"):
         raise ValueError(f"{LEARN_ENV}={env[LEARN_ENV]!r}: expected on or off")
     runs = env_int(LEARN_RUNS_ENV, LEARN_RUNS, 1)
     relearn = env_int(RELEARN_ENV, RELEARN_EVERY, 0)
-    return _settings(mode == "on", runs, relearn)
+    return LearnSettings(mode == "on", runs, relearn)
 
 
-@functools.lru_cache(maxsize=8)
-def _settings(on: bool, runs: int, relearn: int) -> LearnSettings:
-    return LearnSettings(on, runs, relearn)
+#: the variables the settings read: the table's path (:func:`table_path`, with where
+#: :func:`default_path` puts it) and learning's switches (:func:`learn_settings`)
+_PATH_VARIABLES = (TUNING_ENV, "XDG_CACHE_HOME", "HOME")
+_LEARN_VARIABLES = (LEARN_ENV, LEARN_RUNS_ENV, RELEARN_ENV)
+# os.environ.get encodes the name and decodes the value at every read, several times the cost
+# of the lookup: the settings read os.environ's own mapping by the encoded names (where this
+# Python keeps one; otherwise os.environ itself). Either reflects os.environ[...] = and
+# monkeypatch.setenv at once.
+_RAW = getattr(os.environ, "_data", None)
+if isinstance(_RAW, dict) and callable(getattr(os.environ, "encodekey", None)):
+    _PATH_KEYS = tuple(os.environ.encodekey(name) for name in _PATH_VARIABLES)
+    _LEARN_KEYS = tuple(os.environ.encodekey(name) for name in _LEARN_VARIABLES)
+else:
+    _RAW, _PATH_KEYS, _LEARN_KEYS = os.environ, _PATH_VARIABLES, _LEARN_VARIABLES
+_DIGEST_KEYS = _PATH_KEYS + _LEARN_KEYS  # what digest() depends on
+
+
+def environment(keys: tuple) -> tuple:
+    """The present values of the variables ``keys`` name (None where unset), as the key of the
+    settings parsed from them: ``auto`` consults the settings several times per first call, and
+    each consultation costs these few lookups, not a parse. A changed variable is a new key, so
+    the settings follow the environment with nothing to reset (:func:`reload` forgets them
+    anyway)."""
+    return tuple(map(_RAW.get, keys))
 
 
 def learn_candidates(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
@@ -351,7 +380,7 @@ def one_node_choice(nranks: int, nbytes: int, in_place: bool,
     if shared:
         in_place = True
     mode = "in_place" if in_place else "out_of_place"
-    oversubscribed = nranks > (os.cpu_count() or 1)
+    oversubscribed = nranks > _cores(os.cpu_count)
     # rules for this mode only come first (an out-of-place schedule beats shm there), then
     # shm's: those for any mode, then in place's
     ordered = sorted(builtin().of("one_node"), key=lambda rule: (rule.algorithm == "shm",
@@ -368,6 +397,14 @@ def one_node_choice(nranks: int, nbytes: int, in_place: bool,
                 and (rule.most is None or shared or nbytes < rule.most):
             return "shm"
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _cores(cpu_count) -> int:
+    """``cpu_count() or 1``, asked once per function (``os.cpu_count`` reads the system's CPU
+    list on every call, which costs a few microseconds per first call of ``auto``; a test that
+    replaces it is asked anew)."""
+    return cpu_count() or 1
 
 
 def persistent_native(nranks: int, nbytes: int) -> bool:
@@ -430,7 +467,13 @@ def default_path() -> str:
 
 def table_path() -> str | None:
     """Return the table file ``auto`` reads: ``$MPIALLREDUCE_TUNING``, else :func:`default_path`;
-    None when the variable is ``off``."""
+    None when the variable is ``off``. Worked out once per set of values (:func:`environment`)."""
+    return _table_path(environment(_PATH_KEYS))
+
+
+@functools.lru_cache(maxsize=8)
+def _table_path(values: tuple) -> str | None:
+    """``values``: the variables as :func:`environment` read them, the cache's key."""
     env = os.environ.get(TUNING_ENV, "").strip()
     if env.lower() == "off":
         return None
@@ -444,16 +487,27 @@ def tables() -> dict:
 
 
 def reload() -> None:
-    """Forget loaded tables, so the next :func:`choose` reads the file again."""
+    """Forget loaded tables and the settings read from the environment, so the next
+    :func:`choose` reads the file again."""
     _load.cache_clear()
     _digest.cache_clear()
+    _digest_of.cache_clear()
+    _table_path.cache_clear()
+    _learning.cache_clear()
 
 
 def digest() -> int:
     """Return a CRC of the table file's bytes (0 without one), read once per process and path
     like the table itself, with the learning switches folded in (ranks that learn and ranks
     that do not would run different plans); the agreement check compares it across ranks for
-    ``auto``."""
+    ``auto``. Worked out once per set of values of the variables it depends on
+    (:func:`environment`): every first call of ``auto`` asks."""
+    return _digest_of(environment(_DIGEST_KEYS))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest_of(values: tuple) -> int:
+    """``values``: the variables as :func:`environment` read them, the cache's key."""
     learning = learn_settings()
     if not learning.on:
         return _digest(table_path())
