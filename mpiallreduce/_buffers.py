@@ -21,13 +21,15 @@ from .ops import DTYPES, reducer
 from .partition import block_counts
 
 #: predefined datatypes whose reduction mpiallreduce computes (MPI's C integer, floating,
-#: complex and logical types): MPI handle -> NumPy dtype. Anything else goes to MPI.
+#: complex and logical types, and Fortran's complex ones, which hold a pair of C floats or
+#: doubles and which SUM and PROD combine as C's): MPI handle -> NumPy dtype. Anything else goes
+#: to MPI.
 _DATATYPE_NAMES = (
     "SIGNED_CHAR", "SHORT", "INT", "LONG", "LONG_LONG", "UNSIGNED_CHAR", "UNSIGNED_SHORT",
     "UNSIGNED", "UNSIGNED_LONG", "UNSIGNED_LONG_LONG", "INT8_T", "INT16_T", "INT32_T", "INT64_T",
     "UINT8_T", "UINT16_T", "UINT32_T", "UINT64_T", "FLOAT", "DOUBLE", "C_FLOAT_COMPLEX",
     "C_DOUBLE_COMPLEX", "C_COMPLEX", "C_BOOL", "CXX_BOOL", "CXX_FLOAT_COMPLEX",
-    "CXX_DOUBLE_COMPLEX")
+    "CXX_DOUBLE_COMPLEX", "COMPLEX", "DOUBLE_COMPLEX", "COMPLEX8", "COMPLEX16")
 
 
 def _datatype_table() -> dict[int, np.dtype]:
