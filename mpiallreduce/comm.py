@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _form
+from . import _form, _hooks
 from ._agree import prepare
 from ._buffers import (
     DTYPE_OF,
@@ -43,12 +44,15 @@ from ._buffers import (
     settle,
     whole,
 )
+from ._checks import Call, check_topology
 from ._lru import LRU
 from ._plans import fresh_arrays, shape_key
 from ._requests import CommPrequest, CommRequest
-from ._state import SHAPES, fail_on
+from ._state import SHAPES, existing, fail_on
 from ._waiting import MPI_CANNOT_SAY, wait_or_fail
 from .api import ALGORITHMS, allgather, allreduce, iallreduce, plan, reduce_scatter
+from .executor import MAX_MESSAGE
+from .native_plan import NativePlan
 from .ops import native_deviates
 from .reproducible import covers
 from .select import persistent_native
@@ -69,6 +73,40 @@ _OBJECTS_WITH_DEADLINE = ("barrier", "bcast", "allgather", "allreduce")
 #: what a timeout cannot cover: mpi4py runs these with blocking calls of its own
 _NO_DEADLINE = ("gather", "scatter", "alltoall", "reduce", "scan", "exscan", "the neighbourhood "
                 "collectives", "point-to-point messages")
+
+#: calls of a case (count, dtype, op) that ``Allreduce`` runs as MPI's own collective, after
+#: the argument check, before it binds a plan for the case: a count called once (a test
+#: suite calls hundreds so) costs no plan, and a count called again gets one (see Comm._first)
+PLAN_AFTER = 1
+#: cases a communicator counts; past them it forgets every count and remembered call at once
+CASES = 4096
+#: the algorithms whose first calls run MPI's collective: auto (its choice needs a plan) and
+#: native (the same call either way)
+_FIRST_NATIVE = ("auto", "native")
+
+
+class _Cases:
+    """A communicator's count of ``Allreduce`` calls per case (count, dtype, op) made through
+    ``mar.Comm`` objects, up to :data:`PLAN_AFTER`, kept on the MPI communicator so that every
+    ``mar.Comm`` of it counts together (ranks may call through different objects), and those
+    objects, whose remembered calls go when the counts go (see ``Comm._first``)."""
+
+    __slots__ = ("counts", "comms")
+
+    def __init__(self):
+        self.counts: dict = {}
+        # id -> mar.Comm, held weakly (an mpi4py communicator has no hash of its own)
+        self.comms = weakref.WeakValueDictionary()
+
+    def forget(self) -> None:
+        """Drop every count, and every remembered call of every ``mar.Comm`` of it."""
+        self.counts.clear()
+        for comm in list(self.comms.values()):
+            comm._forget_calls()
+
+
+#: the attribute of an MPI communicator that holds its :class:`_Cases`
+_CASES_KEYVAL = MPI.Comm.Create_keyval()
 
 
 class Comm(MPI.Intracomm):
@@ -126,6 +164,12 @@ class Comm(MPI.Intracomm):
         # (the hit paths read the dicts, ``_calls`` and ``_shapes``, the compiled one too)
         self._call_lru, self._shape_lru = LRU(64), LRU(64)
         self._calls, self._shapes = self._call_lru.entries, self._shape_lru.entries
+        # Iallreduce's calls routed as they came, apart from Allreduce's: an entry there is
+        # no proof that Allreduce's case has a plan (see _first)
+        self._icall_lru = LRU(64)
+        self._cases = None  # the communicator's _Cases, found on its first call
+        self._first_native = (algorithm in _FIRST_NATIVE and not self._params
+                              and self._args[3] is None and PLAN_AFTER > 0)
         # the last pair of arrays seen once (see Allreduce), updated in place: a list, whose
         # items cost less to set than an attribute of this object
         self._previous = [None, None]
@@ -228,9 +272,26 @@ class Comm(MPI.Intracomm):
         if view is None or view.handle != self.handle:
             # one object per handle: mpiallreduce caches plans by the communicator's identity
             view = self._view = MPI.Intracomm(self)
-            self._call_lru.clear()
-            self._shape_lru.clear()
+            self._forget_calls()
+            self._cases = None
         return view
+
+    def _forget_calls(self) -> None:
+        """Drop every remembered call (see :meth:`_first`)."""
+        self._call_lru.clear()
+        self._shape_lru.clear()
+        self._icall_lru.clear()
+
+    def _cases_of(self, plain: MPI.Intracomm) -> _Cases:
+        """The communicator's :class:`_Cases` (made on its first call), this object among its
+        ``comms``."""
+        cases = plain.Get_attr(_CASES_KEYVAL)
+        if cases is None:
+            cases = _Cases()
+            plain.Set_attr(_CASES_KEYVAL, cases)
+        cases.comms[id(self)] = self
+        self._cases = cases
+        return cases
 
     def _adopt(self, comm):
         """Wrap a communicator made from this one with the same options."""
@@ -246,7 +307,9 @@ class Comm(MPI.Intracomm):
 
         A call with the objects of an earlier call that went to ``mar.allreduce`` as they were
         (NumPy arrays, whole) goes there at once: one lookup by ``recvbuf``'s identity, and
-        ``mar.allreduce``'s own plan cache (keyed by the same objects) hits.
+        ``mar.allreduce``'s own plan cache (keyed by the same objects) hits. With ``auto`` or
+        ``native``, the first call of a case (count, dtype, op) runs MPI's own collective after
+        the argument check, and binds no plan (:meth:`_first`).
         """
         # _known's test, inline: the method call measured 8% of a repeated call's routing
         # (scripts/drop_in_cost.py --routing-only)
@@ -283,6 +346,9 @@ class Comm(MPI.Intracomm):
                     plain = self._plain()
                 if plain is not None:
                     previous = self._previous
+                    if self._first_native and self._first(sendbuf, recvbuf, op, plain):
+                        previous[0], previous[1] = sendbuf, recvbuf
+                        return None
                     if previous[1] is recvbuf and previous[0] is sendbuf:
                         self._remember(sendbuf, recvbuf, op, plain)  # the same arrays again
                     else:
@@ -296,6 +362,9 @@ class Comm(MPI.Intracomm):
             if route is None:
                 return self._mpi("Allreduce", sendbuf, recvbuf, op)
             plain, send, recv = route
+            if self._first_native \
+                    and self._first(MPI.IN_PLACE if send is None else send, recv, op, plain):
+                return None
             if whole(send, recv, sendbuf, recvbuf):
                 # whole arrays (Fortran order too): the objects themselves from now on
                 self._remember(sendbuf, recvbuf, op, plain)
@@ -313,6 +382,78 @@ class Comm(MPI.Intracomm):
             settle(agreed, None)
         return self._mpi("Allreduce", sendbuf, recvbuf, op)
 
+    def _first(self, sendbuf, recvbuf: np.ndarray, op, plain) -> bool:
+        """Run a call of a case seen fewer than :data:`PLAN_AFTER` times before as MPI's own
+        ``Allreduce``, after the argument check, and count it; False (nothing run): the case
+        repeats, or MPI's result is not the one ``auto`` gives (8/16-bit sums Open MPI
+        saturates), or the op is mpiallreduce's AVG or a user op: bind a plan as always.
+
+        Every rank must take the same path for the same call: one rank binding a plan (its
+        run may be a schedule's messages or shm's window) while another runs MPI's collective
+        would hang or mix data. So the decision reads only facts the argument check makes
+        every rank's: the case (count, dtype, op) and the communicator's count of earlier
+        calls of that case (:class:`_Cases`), which every rank keeps alike:
+
+        - every rank makes the same ``Allreduce`` calls on the communicator in the same order
+          with the same case (MPI's rule, and the check's), through whichever ``mar.Comm``;
+        - a call is counted only once it ran here, and a call that raises, raises on every
+          rank (the check shares any rank's error), so no rank counts a call another does not;
+        - the counts are dropped only all at once, at the same call everywhere (the call that
+          brings a new case past :data:`CASES`), and with them every remembered call of every
+          ``mar.Comm`` of the communicator (``_calls``, ``_shapes``);
+        - a call finds a remembered call (``_calls``, ``_shapes``, or ``mar.allreduce``'s
+          caches, which only a ``mar.Comm``'s own view reaches) without coming here only
+          where it was remembered at a call that bound a plan, so only once its case's count
+          reached PLAN_AFTER, which then holds on every rank.
+
+        What each rank's caches hold (arrays reused on one rank, fresh on another, entries
+        evicted) decides only how a case that has a plan finds it, never whether it has one.
+        """
+        reducer = reducible(op, recvbuf.dtype)
+        dtype = recvbuf.dtype
+        if reducer.index < 0 or reducer.average or (
+                self._algorithm == "auto" and native_deviates(reducer.name, dtype)):
+            return False
+        case = (recvbuf.size, dtype.str, reducer.index)
+        cases = self._cases or self._cases_of(plain)
+        counts = cases.counts
+        calls = counts.get(case, 0)
+        if calls >= PLAN_AFTER:
+            return False
+        self._native(sendbuf, recvbuf, reducer, plain)
+        if not calls and len(counts) >= CASES:
+            cases.forget()
+        counts[case] = calls + 1
+        return True
+
+    def _native(self, sendbuf, recvbuf: np.ndarray, reducer, plain) -> None:
+        """The argument check (with ``check``: ``mar.allreduce``'s, so a mismatch raises the
+        same error on every rank, whatever path the others' calls take), then MPI's
+        ``Allreduce`` on mpiallreduce's duplicate of the communicator (a plan of its own where
+        a trace records the run, or the count exceeds one MPI message)."""
+        algorithm, topology, check = self._args[0], self._args[1], self._args[2]
+
+        def checked(comm) -> Call:
+            # the arrays passed Allreduce's own tests (fresh_arrays, or a parsed spec), which
+            # are what _checks.allreduce_call would test of them: the topology is left
+            check_topology(topology, comm)
+            return Call(None if sendbuf is MPI.IN_PLACE else sendbuf, recvbuf, reducer,
+                        algorithm, topology, comm)
+
+        call = prepare("allreduce", plain, check, checked)
+        if call.recv.size == 0:
+            return
+        state = existing(plain)
+        if _hooks.tracer is None and call.recv.size <= MAX_MESSAGE:
+            state.private.Allreduce(MPI.IN_PLACE if call.send is None else call.send, call.recv,
+                                    call.reducer.mpi_op)
+            return
+        native = NativePlan(state.private, call.send, call.recv, call.reducer, state=state)
+        try:
+            native.run()
+        finally:
+            native.free()
+
     def _params_for(self, op, array) -> dict:
         """The keyword arguments of a routed call: ``reproducible`` only where it applies."""
         if self._reproducible and not covers(op, array.dtype):
@@ -320,8 +461,9 @@ class Comm(MPI.Intracomm):
         return self._params
 
     def _known(self, sendbuf, recvbuf, op) -> tuple | None:
-        """The entry :meth:`_remember` kept for a call with these very objects, or None."""
-        entry = self._calls.get(id(recvbuf))
+        """The entry :meth:`_remember` kept for an ``Iallreduce`` with these very objects, or
+        None."""
+        entry = self._icall_lru.entries.get(id(recvbuf))
         if entry is not None and entry[1] is recvbuf and entry[0] is sendbuf \
                 and entry[2] is op and recvbuf.dtype is entry[3] and entry[4] == self:
             return entry
@@ -342,13 +484,14 @@ class Comm(MPI.Intracomm):
             self._shape_lru.put((id(recvbuf.dtype), recvbuf.size, sendbuf is MPI.IN_PLACE,
                                  id(op)), (shape, op, plain, recvbuf.dtype))
 
-    def _remember(self, sendbuf, recvbuf, op, plain) -> None:
-        """Keep an Allreduce routed with its own objects (they stay alive, so their ids stay
-        theirs); a new element type of recvbuf or a new handle parses the call again (the
-        entry holds the plain view it was routed with, whose handle was this communicator's:
-        ``view == self`` compares the handles without making a Python int of each)."""
-        self._call_lru.put(id(recvbuf), (sendbuf, recvbuf, op, recvbuf.dtype, plain,
-                                         *self._args))
+    def _remember(self, sendbuf, recvbuf, op, plain, calls: LRU | None = None) -> None:
+        """Keep an Allreduce (into ``calls``: an Iallreduce) routed with its own objects (they
+        stay alive, so their ids stay theirs); a new element type of recvbuf or a new handle
+        parses the call again (the entry holds the plain view it was routed with, whose handle
+        was this communicator's: ``view == self`` compares the handles without making a
+        Python int of each)."""
+        (self._call_lru if calls is None else calls).put(
+            id(recvbuf), (sendbuf, recvbuf, op, recvbuf.dtype, plain, *self._args))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Start a reduce to all with :func:`mpiallreduce.iallreduce`; return a request to
@@ -363,7 +506,8 @@ class Comm(MPI.Intracomm):
             if route is not None:
                 plain, send, recv = route
                 if whole(send, recv, sendbuf, recvbuf):
-                    self._remember(sendbuf, recvbuf, op, plain)  # as Allreduce: the objects
+                    # as Allreduce: the objects
+                    self._remember(sendbuf, recvbuf, op, plain, self._icall_lru)
                     send, recv = (None if sendbuf is MPI.IN_PLACE else sendbuf), recvbuf
                 return CommRequest(iallreduce(MPI.IN_PLACE if send is None else send, recv, op,
                                               plain, *self._args, **self._params_for(op, recv)))
