@@ -53,7 +53,7 @@ def _memory_gib() -> float | None:
     return None
 
 
-def _library(text: str) -> str:
+def library_name(text: str) -> str:
     """MPI's library string cut to its name and version ("Open MPI v5.0.11", "MPICH 4.3.0")."""
     first = text.replace("\x00", "").strip().splitlines()[0].split(",")[0]
     words = first.replace("Version:", "").split()
@@ -82,7 +82,7 @@ def provenance(ranks: int, command: str | None = None) -> dict:
                    + (f", {mem} GiB" if mem else ""),
         "cpu": _cpu(),
         "cores": cores,
-        "mpi": _library(MPI.Get_library_version()),
+        "mpi": library_name(MPI.Get_library_version()),
         "mpi4py": __import__("mpi4py").__version__,
         "numpy": numpy.__version__,
         "python": platform.python_version(),

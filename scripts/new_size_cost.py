@@ -39,7 +39,7 @@ import mpiallreduce as mar
 from mpiallreduce import _form
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write  # noqa: E402
+from _results import library_name, write  # noqa: E402
 
 #: untimed calls first, in a dtype no row uses (int64): the communicator's state, duplicates
 #: and shm window are made once per communicator, not per count, and a test suite pays them once
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         ("repeated count, same arrays", "float64", "8", [8] * args.repeats, True, 0),
         ("repeated count, fresh arrays", "float64", "8", [8] * args.repeats, False, 0),
     ]
-    library = MPI.Get_library_version().replace("\x00", "").split(",")[0].strip()
+    library = library_name(MPI.Get_library_version())
     if root:
         print(f"# first calls on new counts: mar.Comm(COMM_WORLD).Allreduce against "
               f"COMM_WORLD.Allreduce, medians of single calls (slowest rank), interleaved; "

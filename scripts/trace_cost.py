@@ -38,7 +38,7 @@ from mpi4py import MPI
 import mpiallreduce as mar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write  # noqa: E402
+from _results import library_name, write  # noqa: E402
 
 #: untimed iterations at the start of every batch (the calls bind again after a switch)
 WARMUP = 20
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     root = comm.Get_rank() == 0
     folder = comm.bcast(tempfile.mkdtemp(prefix="trace-cost-") if root else None)
     path = os.path.join(folder, "trace.json")
-    library = MPI.Get_library_version().replace("\x00", "").split(",")[0].strip()
+    library = library_name(MPI.Get_library_version())
     if root:
         print(f"# a loop of an 8-byte allreduce of fresh arrays and a {HALO_BYTES} B Sendrecv: "
               f"us per iteration, medians of {args.rounds} alternating rounds of "
