@@ -2,6 +2,8 @@
 
 Like ``ompi_info`` or ``torch.utils.collect_env``: run it alone or under ``mpirun``; rank 0
 prints, every rank takes part in the topology discovery. Exit status 0.
+``python -m mpiallreduce --forget`` deletes the picks ``auto`` learned and kept
+(:mod:`mpiallreduce.picks`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def report(comm=None) -> list[str]:
 
     import mpiallreduce as mar
 
-    from . import _form, ops, select
+    from . import _form, ops, picks, select
     from .topology import RANKS_PER_NODE_ENV
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -62,6 +64,8 @@ def report(comm=None) -> list[str]:
         "native deviations: " + (
             f"saturating {', '.join(deviations)} (auto runs a schedule for these instead)"
             if deviations else "none found (8/16-bit SUM and PROD wrap as C does)"),
+        "learning: " + _learning(),
+        *picks.describe(topology.node_sizes),
     ]
     return [clean(line) for line in lines]
 
@@ -74,6 +78,16 @@ def _auto_source(table: str | None) -> str:
         return (f"built-in rules (no tuning table at {table}; write one with "
                 f"mpirun -n N python -m mpi4py -m mpiallreduce.tune)")
     return f"tuning table {table} (built-in rules for the rank counts it does not cover)"
+
+
+def _learning() -> str:
+    from . import select
+
+    settings = select.learn_settings()
+    if not settings.on:
+        return f"off ({select.LEARN_ENV}=off: auto runs the rules' choices)"
+    return (f"on (a repeated auto call times its candidates in its first calls, "
+            f"{settings.runs} rounds each; {select.LEARN_ENV}=off turns it off)")
 
 
 def _launcher_note(comm) -> str:
@@ -90,9 +104,17 @@ def main(argv=None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(clean(__doc__.strip()))
         return 0
+    if argv == ["--forget"]:
+        from . import picks
+
+        gone = picks.forget()
+        print(clean(f"deleted the learned picks in {gone}" if gone else
+                    f"no learned picks to delete ({picks.path() or picks.PATH_ENV + '=off'})"))
+        return 0
     if argv:
-        print(clean(f"python -m mpiallreduce: takes no arguments, got {' '.join(argv)} "
-                    f"(the bench is python -m mpiallreduce.bench)"), file=sys.stderr)
+        print(clean(f"python -m mpiallreduce: takes no arguments but --forget, got "
+                    f"{' '.join(argv)} (the bench is python -m mpiallreduce.bench)"),
+              file=sys.stderr)
         return 2
     from mpi4py import MPI
 

@@ -49,7 +49,7 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
     if learned and state is not None:
         ruled = resolve(call, nranks, state, deadline, what, shared, learned=False)
         return learn.resolve(state, call, nranks, ruled, what, shared, lambda: (
-            call.topology or state.default_topology(deadline, what)).nnodes == 1)
+            call.topology or state.default_topology(deadline, what)), deadline)
     red, nbytes = call.reducer, call.recv.nbytes
     one_node = None if state is None else select.one_node_choice(
         nranks, nbytes, call.send is None, red.commutative, shared)
@@ -77,7 +77,8 @@ def resolve(call: Call, nranks: int, state: CommState | None = None,
 
 def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
           timeout: float | None, deadline: float | None = None, what: str = "allreduce",
-          borrow_scratch: bool = False, shared: bool = False, algorithm: str | None = None):
+          borrow_scratch: bool = False, shared: bool = False, algorithm: str | None = None,
+          learned: bool = True):
     """Bind a plan for ``call`` (``algorithm``: this one, not the call's or ``auto``'s, the
     call itself kept as it is: a learning plan's candidates, :class:`.learn.Learner`).
 
@@ -88,10 +89,12 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     communicator's: it runs to completion in the caller's thread before anything else can use
     it (a request in flight has scratch of its own). ``timeout`` is the plan's default for its
     runs; ``deadline`` (time.monotonic) bounds the collective set-up a build may need.
+    ``learned=False``: ``auto`` is the rules' choice, never learned (a reproducible sum's inner
+    exchanges: their cost is not the call's to trade).
     """
     private = state.private
     nranks, rank = private.Get_size(), private.Get_rank()
-    name = algorithm or resolve(call, nranks, state, deadline, what, shared)
+    name = algorithm or resolve(call, nranks, state, deadline, what, shared, learned)
     if name == learn.LEARNING:
         return learn.Learner(state, call, partial(
             build, call, state, explicit=explicit, persistent=persistent, timeout=timeout,

@@ -181,6 +181,8 @@ class CommState:
     vectors: dict = field(default_factory=dict)
     #: auto's learning records on this communicator, by case (``learn.records``)
     learned: dict = field(default_factory=dict)
+    #: the picks earlier jobs learned (``picks.Memory``), read at the first learning case
+    memory: object = None
     slots: int = 0  # slots of STEP_TAGS tags that fit under TAG_UB (slot 0: one-shot calls)
     next_slot: int = 1
     revocation: Revocation | None = None

@@ -64,10 +64,16 @@ WARM_UPS = 1
 class Record:
     """One case's learning: its candidates, this rank's timings, the agreed choice."""
 
-    def __init__(self, key: tuple, candidates: tuple[str, ...], ruled: str, runs: int,
-                 relearn: int, one_node: bool = False):
+    def __init__(self, key: tuple, candidates, ruled: str, runs: int,
+                 relearn: int, one_node: bool = False, memory=None, nranks: int = 0):
+        """``candidates``: the names, or a function that returns them, asked at the case's
+        second call (a case called once never pays for ranking them). ``memory``: the
+        communicator's :class:`.picks.Memory` where decisions are kept, else None."""
         self.key = key
-        self.candidates = list(candidates)
+        self._propose = candidates if callable(candidates) else None
+        self.candidates = [ruled] if callable(candidates) else list(candidates)
+        self.memory, self.nranks = memory, nranks
+        self.remembered = False  # decided by an earlier job (picks.Memory), nothing timed
         # the rules' choice: the incumbent of the decision, and what runs with a deadline
         # until the case is decided
         self.ruled = ruled
@@ -94,7 +100,12 @@ class Record:
 
     def due(self) -> tuple[str, bool]:
         """The candidate this call runs, and whether it is timed (the last of its calls in a
-        row: the ones before warm it up)."""
+        row: the ones before warm it up). The first call of a case warms the rules' choice up
+        (the first candidate) before the others are even named."""
+        if self._propose is not None and self.calls >= 1:
+            self.candidates = list(self._propose())
+            self._propose = None
+            self.samples = {name: self.samples.get(name, []) for name in self.candidates}
         block, within = divmod(self.calls, WARM_UPS + 1)
         return self.candidates[block % len(self.candidates)], within == WARM_UPS
 
@@ -127,7 +138,20 @@ class Record:
         self.agreed = {name: statistics.median(values) for name, values in times.items()}
         self.rounds += 1
         self.since = 0
+        if self.memory is not None:
+            self.memory.put(self.nranks, self.key, self.verdict, self.agreed)
         return self.winner
+
+    def recall(self, entry: dict) -> None:
+        """Take an earlier job's decision (:meth:`.picks.Memory.get`): decided, nothing timed."""
+        from .picks import verdict_of
+
+        self.verdict = verdict_of(entry)
+        self.winner = self.verdict.pick
+        self.agreed = {name: t / 1e6 for name, t in entry.get("agreed_us", {}).items()}
+        self.candidates = list(self.agreed) or [self.ruled]
+        self._propose = None
+        self.remembered = True
 
     def counted(self) -> None:
         """A call ran the winner with re-learning on: time the case again when it is due."""
@@ -145,7 +169,7 @@ class Record:
                 "verdict": None if verdict is None else verdict.text,
                 "agreed_us": {name: round(1e6 * t, 3) for name, t in self.agreed.items()},
                 "learning_calls": self.learning_calls, "learning_seconds": self.cost,
-                "rounds": self.rounds}
+                "rounds": self.rounds, "remembered": self.remembered}
 
 
 def slowest(comm: MPI.Intracomm, seconds) -> np.ndarray:
@@ -171,11 +195,15 @@ def records(state) -> dict:
     return state.learned
 
 
-def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, one_node) -> str:
+def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, topology,
+            deadline: float | None = None) -> str:
     """What ``auto`` runs for ``call`` given the rules' choice ``ruled``: ``ruled`` where
-    nothing learns, the case's learned choice, or :data:`LEARNING` (bind a :class:`Learner`).
-    ``one_node()``: whether every rank is on one node (asked once per case; collective the
-    first time on a communicator, as ``auto``'s first call is everywhere)."""
+    nothing learns, the case's learned (or remembered) choice, or :data:`LEARNING` (bind a
+    :class:`Learner`). ``topology()``: the call's topology, else the communicator's (asked once
+    per case; collective the first time on a communicator, as ``auto``'s first call is
+    everywhere). The first case of a communicator reads the kept picks (:func:`.picks.load`,
+    collective: every rank reaches it at the same call; not with a ``deadline``, which a
+    broadcast could not keep: such a case is learned without the kept picks)."""
     settings = select.learn_settings()
     if not settings.on or what not in LEARNS or shared or nranks < 2 \
             or call.recv.size == 0 or call.reducer is None or call.collective != "allreduce":
@@ -184,17 +212,49 @@ def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, one_n
     key = case(call)
     record = cases.get(key)
     if record is None:
-        single = one_node()
-        candidates = select.learn_candidates(
-            nranks, call.recv.nbytes, call.reducer, call.send is None, single, ruled,
-            call.recv.dtype.str, call.topology)
-        # on one node, no algorithm made for several (the decision would leave it out anyway)
-        candidates = tuple(decide.eligible(candidates, one_node=single, keep=(ruled,)))
-        record = cases[key] = Record(key, candidates, ruled, settings.runs, settings.relearn,
-                                     one_node=single)
+        single = topology().nnodes == 1
+        memory = None
+        if call.topology is None:  # a case of the communicator's own layout: kept across jobs
+            memory = state.memory
+            if memory is None and deadline is None:
+                from . import picks
+
+                memory = state.memory = picks.load(state.private, topology().node_sizes)
+        # (the candidates from the call's facts, not the call: a case called once keeps no
+        # caller's array alive)
+        facts = (nranks, call.recv.nbytes, call.reducer, call.send is None, single, ruled,
+                 call.recv.dtype.str, call.topology)
+        record = cases[key] = Record(
+            key, lambda: _candidates(facts, settings.runs), ruled,
+            settings.runs, settings.relearn, one_node=single, memory=memory, nranks=nranks)
+        entry = None if memory is None else memory.get(nranks, key, ruled)
+        if entry is not None:
+            record.recall(entry)
     if record.winner is not None and not record.relearn:
         return record.winner
     return LEARNING
+
+
+def _candidates(facts: tuple, runs: int) -> tuple[str, ...]:
+    """What a case times: :func:`.select.learn_candidates` of ``facts`` (its arguments),
+    without (on one node) algorithms made for several nodes, and as many as
+    :data:`.select.LEARN_CALLS` calls can time ``runs`` rounds of (two at least: the rules'
+    choice and one challenger)."""
+    single, ruled = facts[4], facts[5]
+    names = select.learn_candidates(*facts)
+    names = tuple(decide.eligible(names, one_node=single, keep=(ruled,)))
+    fits = max(2, select.LEARN_CALLS // (runs * (WARM_UPS + 1)))
+    return names[:fits]
+
+
+def calls_to_decide() -> int:
+    """The most calls a case of ``auto`` spends learning with the present settings (0 with
+    learning off): a benchmark warms ``auto`` up this long so that it times the pick."""
+    settings = select.learn_settings()
+    if not settings.on:
+        return 0
+    per_candidate = settings.runs * (WARM_UPS + 1)
+    return max(2, select.LEARN_CALLS // per_candidate) * per_candidate
 
 
 def record_of(state, call) -> Record:

@@ -224,10 +224,16 @@ TABLE_CLASSES = (*OP_CLASSES, *(f"{name}_in_place" for name in OP_CLASSES))
 #: many further calls of a learned case it is timed again (0: never).
 LEARN_ENV, LEARN_RUNS_ENV, RELEARN_ENV = ("MPIALLREDUCE_LEARN", "MPIALLREDUCE_LEARN_RUNS",
                                           "MPIALLREDUCE_RELEARN_EVERY")
-#: defaults: off (a timed choice differs between runs of one program, and the tests and
-#: benchmarks of fixed algorithms expect the rules' choices); 5 timed runs per candidate after
-#: one untimed run (the median of 5 is robust to one burst of load); never re-timed.
-LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "off", 5, 0
+#: defaults: on (the rules are one machine's measurements; a repeated call is worth timing on
+#: this one, and the verdict is kept across jobs, :mod:`.picks`); 5 timed runs per candidate
+#: after one untimed run (the median of 5 is robust to one burst of load); never re-timed.
+LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "on", 5, 0
+#: the calls a case may spend learning: candidates x runs x 2 stays within it (three
+#: candidates at the default runs). Thirty calls, each at most LEARN_MARGIN times the pick's
+#: predicted time, cost a job of 1,000 calls of the case a few percent at most, and the
+#: candidates past the third (the model's) rarely won where the rules' choice, native and shm
+#: (on one node) were timed (``scripts/advisor_targets.py`` measures both).
+LEARN_CALLS = 30
 #: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
 #: times slower than its fastest are not (the model ranks; the machine decides). Six: with
 #: four, the algorithm that measured best was often no candidate at all where the model puts

@@ -21,6 +21,11 @@ GRID_KINDS = ("world", "split")
 # auto follows its built-in rule in the tests, whatever tuning table this machine holds
 # (tests of the tables set the variable themselves).
 os.environ["MPIALLREDUCE_TUNING"] = "off"
+# ... and neither learns nor reads what earlier runs learned: the tests of fixed choices expect
+# the rules', and this machine's kept picks would make one run's choices another's (the tests
+# of learning and of the kept picks set these themselves)
+os.environ["MPIALLREDUCE_LEARN"] = "off"
+os.environ["MPIALLREDUCE_LEARNED"] = "off"
 
 # -- tests that launch their own mpirun (serial tests: they run once, not under every -n) ----------
 

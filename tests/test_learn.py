@@ -14,9 +14,11 @@ def _user_op():
     return MPI.Op.Create(lambda a, b, t: None, commute=False)
 
 
-def test_the_switches_default_off_and_read_the_environment(monkeypatch):
+def test_the_switches_default_on_and_read_the_environment(monkeypatch):
     for name in (select.LEARN_ENV, select.LEARN_RUNS_ENV, select.RELEARN_ENV):
         monkeypatch.delenv(name, raising=False)
+    assert select.learn_settings() == select.LearnSettings(True, select.LEARN_RUNS, 0)
+    monkeypatch.setenv(select.LEARN_ENV, "off")
     assert select.learn_settings() == select.LearnSettings(False, select.LEARN_RUNS, 0)
     monkeypatch.setenv(select.LEARN_ENV, "ON")
     monkeypatch.setenv(select.LEARN_RUNS_ENV, "2")
@@ -36,7 +38,7 @@ def test_a_bad_switch_is_a_clear_error(monkeypatch, name, value):
 
 def test_the_switches_change_the_digest_the_ranks_compare(monkeypatch):
     monkeypatch.setenv(select.TUNING_ENV, "off")
-    monkeypatch.delenv(select.LEARN_ENV, raising=False)
+    monkeypatch.setenv(select.LEARN_ENV, "off")
     off = select.digest()
     monkeypatch.setenv(select.LEARN_ENV, "on")
     on = select.digest()

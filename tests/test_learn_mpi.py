@@ -232,12 +232,58 @@ def test_save_writes_a_table_auto_reads(comm, tmp_path_factory, monkeypatch):
     assert select.lookup(table, comm.size, 4096, True, True) == winners[True]
 
 
-def test_learning_is_off_by_default(comm, monkeypatch):
-    monkeypatch.delenv(select.LEARN_ENV)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_learning_is_on_by_default_and_decides_within_its_budget(comm, monkeypatch, in_place):
+    """Nothing set: a repeated call learns at the default runs, within LEARN_CALLS calls of its
+    case, and every later call runs the pick; a case called once names no candidates."""
+    for name in (select.LEARN_ENV, select.LEARN_RUNS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    once = contribution(comm, 5, "float64")
+    mar.allreduce(once, np.empty_like(once), comm=comm)  # a case called once
+    x = contribution(comm, 3000, "float64")
+    out = np.empty_like(x)
+    for call in range(select.LEARN_CALLS + 5):
+        if in_place:
+            out[:] = x
+            mar.allreduce(MPI.IN_PLACE, out, comm=comm)
+        else:
+            mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    if comm.size == 1:
+        assert _records(comm) == []
+        return
+    by_size = {r.key[0]: r for r in _records(comm)}
+    single = by_size[32]  # 5 doubles: its one call ran the rules' choice, nothing ranked
+    assert single.winner is None and single.candidates == [single.ruled]
+    assert single.learning_calls == 1
+    record = by_size[16384]  # 3000 doubles: the bucket of 24000 bytes
+    assert record.winner is not None and record.rounds == 1
+    assert record.learning_calls == len(record.candidates) * select.LEARN_RUNS * 2
+    assert 2 <= len(record.candidates) and record.learning_calls <= select.LEARN_CALLS
+    assert record.learning_calls <= learn.calls_to_decide()
+    _same_choices(comm)
+
+
+def test_learning_off_runs_the_rules_choice(comm, monkeypatch):
+    monkeypatch.setenv(select.LEARN_ENV, "off")
     x = contribution(comm, 64, "float64")
     out = np.empty_like(x)
     for _ in range(_enough(comm)):
         mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+    assert _records(comm) == []
+    assert learn.calls_to_decide() == 0
+
+
+def test_reproducible_calls_never_learn(comm):
+    x = contribution(comm, 1000, "float64")
+    out = np.empty_like(x)
+    reference = None
+    for _ in range(_enough(comm)):
+        mar.allreduce(x, out, comm=comm, reproducible=True)
+        if reference is None:
+            reference = out.copy()
+        np.testing.assert_array_equal(out, reference)  # the same bits at every call
     assert _records(comm) == []
 
 

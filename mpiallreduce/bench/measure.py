@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import mpiallreduce as mar
 
+from .. import learn
 from ..ops import reducer
 from ..topology import Topology
 from .options import GLOO, MPI_CALL, MPI_INIT, Options, algorithm_call, default_iterations, op_of
@@ -214,8 +215,12 @@ class Case:
         with _freeing(plan):
             # in place, every run reduces the last result again: values may overflow to inf,
             # which costs nothing and is never validated (the input is restored first)
+            # auto learns in its first calls of a case (the same number on every rank): warmed
+            # up past them, it is timed running its pick, as a repeated call runs it
+            warmup = max(self.warmup, learn.calls_to_decide()) if algorithm == "auto" \
+                else self.warmup
             with np.errstate(all="ignore") if opts.in_place else contextlib.nullcontext():
-                seconds = _mean_time(run, self.iterations, self.warmup, comm, self.untraced)
+                seconds = _mean_time(run, self.iterations, warmup, comm, self.untraced)
             if api == "plan":  # after its runs: with MPIALLREDUCE_LEARN=on, what auto learned
                 self.picked[label] = getattr(plan, "algorithm", algorithm)
             ok = True

@@ -144,7 +144,8 @@ class ReproduciblePlan(_PlanBase):
         # in node-shared memory where shm sums them: no copy in or out, so at any size
         pooled = (nranks > 1 and words_bytes > shm.small_bytes(nranks)
                   and _plans.resolve(replace(words_call, recv=np.empty(fmt.words * size)),
-                                     nranks, state, deadline, what, shared=True) == "shm")
+                                     nranks, state, deadline, what, shared=True,
+                                     learned=False) == "shm")
         if pooled:  # keys, then words, in the node's shared scratch
             keys_bytes = -(-2 * size // 64) * 64
             scratch = _node_scratch(state, keys_bytes + words_bytes, deadline, what)
@@ -161,10 +162,11 @@ class ReproduciblePlan(_PlanBase):
         keys_call = replace(call, send=None, recv=self._keys, algorithm="auto", params={},
                             reducer=reducer(MPI.MAX, np.uint16))
         self._keys_plan = _plans.build(keys_call, state, explicit=explicit, persistent=True,
-                                       timeout=None, deadline=deadline, what=what)
+                                       timeout=None, deadline=deadline, what=what, learned=False)
         self._inner = _plans.build(replace(words_call, recv=self._words.reshape(-1)), state,
                                    explicit=explicit, persistent=True, timeout=None,
-                                   deadline=deadline, what=what, shared=pooled)
+                                   deadline=deadline, what=what, shared=pooled,
+                                   learned=False)
         super().__init__(private, call.send, call.recv, call.reducer, timeout=timeout, state=state)
         self._bind(out)
 
@@ -191,7 +193,7 @@ class ReproduciblePlan(_PlanBase):
         else:
             self._inner = _plans.build(replace(words_call, recv=self._words), state,
                                        explicit=explicit, persistent=True, timeout=None,
-                                       deadline=deadline, what=what)
+                                       deadline=deadline, what=what, learned=False)
         super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
                          state=state)
         self._gathered = (memoryview(self._values), memoryview(self._words), rank,
@@ -211,7 +213,7 @@ class ReproduciblePlan(_PlanBase):
         self._block = self._own = ()
         self._inner = _plans.build(replace(call, reducer=reducer(MPI.SUM, call.recv.dtype)),
                                    state, explicit=explicit, persistent=True, timeout=None,
-                                   deadline=deadline, what=what)
+                                   deadline=deadline, what=what, learned=False)
         super().__init__(state.private, call.send, call.recv, call.reducer, timeout=timeout,
                          state=state)
         self._pair = (np.array(float(self._nranks)) if self._average and self._nranks > 1
