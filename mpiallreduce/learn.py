@@ -271,6 +271,7 @@ class Learner:
 
     def __init__(self, state, call, bind, explicit: bool = True):
         self._state = state
+        self._call = call  # (for the call cache's entry of the winner, :func:`forget`)
         self.record = record_of(state, call)
         self._bind = bind
         # a one-shot call pays the argument check before its run, except where the run is
@@ -364,13 +365,23 @@ class Learner:
 
 
 def forget(state, record: Record) -> None:
-    """Drop this rank's cached calls that learn ``record``'s case, and the shapes of calls of
-    its size and mode, so their next call binds the winner (each rank at the same call)."""
+    """Replace this rank's cached calls that learn ``record``'s case with entries of the winner
+    (its plan, built while learning, handed over: building it again would cost a case of small
+    messages more than its learning did), or drop them where the winner was never built there;
+    and drop the shapes of calls of its size and mode, so their next call binds the winner.
+    Each rank does so at the same call."""
+    from ._plans import CallEntry
+
     calls = state.calls
     for key, entry in list(calls.entries.items()):
         plan = getattr(entry, "plan", None)
         if isinstance(plan, Learner) and plan.record is record:
-            calls.discard(key)
+            winner = plan._plans.pop(record.winner, None)
+            if winner is None or not calls.put(key, CallEntry(plan._call, winner, state,
+                                                                entry.objects)):
+                if winner is not None:
+                    winner.free()
+                calls.discard(key)
     bucket, in_place, _, _, dtype, _ = record.key
     for key, shape in list(calls.shapes.entries.items()):
         # shape_key: (comm, op, algorithm, topology, id(dtype), count, in place, params); the

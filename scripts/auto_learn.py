@@ -43,16 +43,18 @@ import statistics
 import sys
 from functools import partial
 
-# learning on, no tuning table: the built-in rules, unedited, are the first guess
-os.environ["MPIALLREDUCE_LEARN"] = "on"
+# learning at its defaults (on), no tuning table: the built-in rules, unedited, are the first
+# guess; the kept picks are wherever MPIALLREDUCE_LEARNED says (the --launch driver gives each
+# pair of jobs a fresh file)
 os.environ["MPIALLREDUCE_TUNING"] = "off"
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpiallreduce as mar  # noqa: E402
-from mpiallreduce import algorithms, learn, select  # noqa: E402
+from mpiallreduce import algorithms, decide, learn, select, tune  # noqa: E402
 from mpiallreduce.sizes import human, parse_sizes  # noqa: E402
+from mpiallreduce.topology import Topology  # noqa: E402
 from mpiallreduce.tune import interleaved  # noqa: E402
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,2M,8M,64M"
@@ -73,6 +75,48 @@ def _learn(comm, send, out) -> tuple[int, float, dict]:
         (report,) = learn.learned(comm)
         if report["winner"] is not None or calls >= MOST_LEARNING_CALLS:
             return calls, comm.allreduce(seconds, op=MPI.MAX), report
+
+
+#: the calls over which learning's cost is stated (the issue's job of 1,000 calls of a case),
+#: and how many fresh communicators time it, alternating learning and the pick
+JOB_CALLS, COST_REPEATS = 1000, 3
+
+
+def _first_calls(world, send, out, calls: int, algorithm: str) -> float:
+    """Seconds of the first ``calls`` calls of a case on a fresh communicator (the slowest
+    rank's), kept picks off: with ``auto``, learning from scratch; with a name, that algorithm
+    from the start (its set-up included, as learning's candidates' are)."""
+    comm = world.Dup()
+    kept = os.environ.get("MPIALLREDUCE_LEARNED")
+    os.environ["MPIALLREDUCE_LEARNED"] = "off"
+    try:
+        comm.Barrier()
+        start = MPI.Wtime()
+        for _ in range(calls):
+            mar.allreduce(send, out, comm=comm, algorithm=algorithm)
+        seconds = MPI.Wtime() - start
+        return comm.allreduce(seconds, op=MPI.MAX)
+    finally:
+        if kept is None:
+            os.environ.pop("MPIALLREDUCE_LEARNED", None)
+        else:
+            os.environ["MPIALLREDUCE_LEARNED"] = kept
+        comm.Free()
+
+
+def learning_cost(world, send, out, pick: str, pick_seconds: float) -> float:
+    """What learning costs a job of :data:`JOB_CALLS` calls of a case over calling ``pick``
+    from the start: the first calls (as many as learning takes, and a few more) timed both
+    ways on fresh communicators, alternating, the median difference over the whole job's
+    time (the calls after those run the pick either way)."""
+    calls = learn.calls_to_decide() + 2
+    named, learned = [], []
+    for _ in range(COST_REPEATS):
+        named.append(_first_calls(world, send, out, calls, pick))
+        learned.append(_first_calls(world, send, out, calls, "auto"))
+    extra = statistics.median(b - a for a, b in zip(named, learned))
+    # the job calling the pick from the start: its first calls (set-up included), then the rest
+    return extra / (statistics.median(named) + (JOB_CALLS - calls) * pick_seconds)
 
 
 def _contenders(comm, send, out) -> dict:
@@ -136,6 +180,8 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
         ours = {k: t for k, t in times.items() if k not in ("auto", "comm.Allreduce")}
         best = min(ours, key=ours.get)
         winner = report["winner"]
+        one_node = Topology.from_comm(comm).nnodes == 1  # (collective)
+        advice = _advice(samples, report, one_node)
         # the least of a dozen noisy medians is biased low (the winner's curse): pick the best
         # by name on the even rounds, then time it and auto on the odd ones
         even, odd = _medians(samples, slice(0, None, 2)), _medians(samples, slice(1, None, 2))
@@ -146,12 +192,38 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
                 # the pick by name runs the same code as auto's call: their ratio is the noise
                 "pick_us": 1e6 * ours.get(winner, times["auto"]),
                 "held_out": {"best": held, "ratio": odd["auto"] / odd[held]},
-                "learning_calls": calls, "learning_ms": 1e3 * cost,
+                "learning_calls": report["learning_calls"], "calls": calls,
+                "remembered": report["remembered"], "learning_ms": 1e3 * cost,
                 "learning_extra_ms": 1e3 * (cost - calls * ours.get(winner, times["auto"])),
+                "cost_1000": learning_cost(world, send, out, winner,
+                                           ours.get(winner, times["auto"])),
+                **advice,
                 "comm_allreduce_us": 1e6 * times["comm.Allreduce"],
                 "us": {k: round(1e6 * t, 2) for k, t in times.items()}}
     finally:
         comm.Free()
+
+
+def _advice(samples: dict, report: dict, one_node: bool) -> dict:
+    """What each advisor says at this row, with :func:`mpiallreduce.decide.decide` as each
+    does: learning's own verdict (its rounds, the rules' choice the incumbent), tune's
+    (:func:`mpiallreduce.tune.verdict` over the rounds of every algorithm by name here, native
+    the incumbent) and the bench's advice (the same rounds with auto's call, auto the
+    incumbent: a win names the algorithm to call instead of auto). They agree where every
+    decided verdict names the same algorithm (auto's stands for what it learned); a verdict
+    "within noise" says the measurement could not tell, and disagrees with nothing."""
+    names = {k: v for k, v in samples.items() if k not in ("auto", "comm.Allreduce")}
+    tuned = tune.verdict(names, one_node)
+    benched = decide.decide({k: v for k, v in samples.items() if k != "comm.Allreduce"},
+                            "auto", one_node=one_node)
+    learned = report["winner"]
+    said = {"learning": (learned, report["decided"] is not False),
+            "tune": (tuned.pick, tuned.decided),
+            "bench": (learned if benched.pick == "auto" else benched.pick, benched.decided)}
+    decided = {pick for pick, sure in said.values() if sure}
+    return {"tune": tuned.text, "bench": benched.text, "learning": report["verdict"],
+            "picks": {who: pick for who, (pick, _) in said.items()},
+            "agree": len(decided) <= 1}
 
 
 def _size_text(size: int) -> tuple[str, str]:
@@ -204,6 +276,17 @@ def write_results(args, world, rows: list[dict]) -> None:
     print(f"# wrote docs/results/{path.name}", flush=True)
 
 
+def summary(rows: list[dict]) -> str:
+    """One job against the targets, in words."""
+    return (f"targets: auto within 1.05x of the best in "
+            f"{sum(row['ratio'] <= 1.05 for row in rows)} of {len(rows)} rows (17 wanted); "
+            f"learning, tune and the bench agree in {sum(row['agree'] for row in rows)} of "
+            f"{len(rows)}; learning calls {sum(row['learning_calls'] for row in rows)} "
+            f"({sum(bool(row['remembered']) for row in rows)} rows remembered); learning's "
+            f"cost over 1,000 calls at most "
+            f"{100 * max(row['cost_1000'] for row in rows):.1f}% (5% wanted)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,7 +316,7 @@ def main(argv=None) -> int:
         print(f"# {'size':>5} {'mode':>4} {'auto':>10} {'best':>10} {'ratio':>6} {'pick':>6} "
               f"{'a/pick':>6} {'held':>6}  "
               f"{'best is':<18} {'auto picked':<18} {'calls':>5} {'cost ms':>8} {'extra ms':>8}"
-              f"  candidates", flush=True)
+              f" {'/1000':>6} {'agree':>5}  candidates", flush=True)
     rows = []
     for size in sizes:
         for mode in modes:
@@ -246,8 +329,12 @@ def main(argv=None) -> int:
                       f"{row['held_out']['ratio']:6.2f}  "
                       f"{row['best']:<18} "
                       f"{row['picked']:<18} {row['learning_calls']:5d} "
-                      f"{row['learning_ms']:8.1f} {row['learning_extra_ms']:8.1f}  "
+                      f"{row['learning_ms']:8.1f} {row['learning_extra_ms']:8.1f} "
+                      f"{100 * row['cost_1000']:5.1f}% {'yes' if row['agree'] else 'NO':>5}  "
                       f"{','.join(row['candidates'])}", flush=True)
+                if not row["agree"]:
+                    print(f"#   learning: {row['learning']}; tune: {row['tune']}; "
+                          f"bench: {row['bench']}", flush=True)
     if world.rank == 0:
         within = sum(row["ratio"] <= 1.05 for row in rows)
         print(f"# auto within 1.05x of the best: {within} of {len(rows)} rows; worst "
@@ -262,6 +349,7 @@ def main(argv=None) -> int:
         print(f"# auto's pick, called by name, within 1.05x of the best: {picks} of {len(rows)}; "
               f"from 256 KiB, auto within +-5% of its pick by name (the same code: the "
               f"timing's noise): {alike} of {len(large)}", flush=True)
+        print(f"# {summary(rows)}", flush=True)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as file:
                 json.dump({"ranks": world.size, "rows": rows}, file, indent=1)
