@@ -67,13 +67,14 @@ class Record:
     def __init__(self, key: tuple, candidates, ruled: str, runs: int,
                  relearn: int, one_node: bool = False, memory=None, nranks: int = 0):
         """``candidates``: the names, or a function that returns them, asked at the case's
-        second call (a case called once never pays for ranking them). ``memory``: the
+        first learning call (its second: a case called once never pays for ranking them). ``memory``: the
         communicator's :class:`.picks.Memory` where decisions are kept, else None."""
         self.key = key
         self._propose = candidates if callable(candidates) else None
         self.candidates = [ruled] if callable(candidates) else list(candidates)
         self.memory, self.nranks = memory, nranks
         self.remembered = False  # decided by an earlier job (picks.Memory), nothing timed
+        self.seen = False  # the case's first call ran (the rules' choice, outside learning)
         # the rules' choice: the incumbent of the decision, and what runs with a deadline
         # until the case is decided
         self.ruled = ruled
@@ -91,18 +92,46 @@ class Record:
     def _restart(self) -> None:
         self.winner = None
         self.calls = 0
+        self._screened = False
+        self.screened: dict[str, float] = {}  # the first round's agreed times, every candidate
         self.samples: dict[str, list[float]] = {name: [] for name in self.candidates}
 
     @property
+    def screening(self) -> bool:
+        """Whether the calls now run the first round, after which only the finalists go on."""
+        return not self._screened and self.runs > 1 \
+            and len(self.candidates) > select.LEARN_FINALISTS
+
+    @property
     def total(self) -> int:
-        """Calls of one learning: ``runs`` rounds of warm-ups and a timed call per candidate."""
-        return len(self.candidates) * self.runs * (WARM_UPS + 1)
+        """Calls of this stage: a warm-up and a timed call per candidate, one round while
+        screening, the remaining rounds after it, or all ``runs`` without one."""
+        rounds = 1 if self.screening else self.runs - 1 if self._screened else self.runs
+        return len(self.candidates) * rounds * (WARM_UPS + 1)
+
+    def screen(self, comm: MPI.Intracomm) -> list[str]:
+        """After the first round: keep the rules' choice and the fastest others, as many as
+        :data:`.select.LEARN_FINALISTS` in all, on every rank alike (the round's times made the
+        slowest rank's first: collective). Returns the candidates dropped."""
+        names = self.candidates
+        agreed = slowest(comm, [self.samples[name][0] for name in names])
+        self.screened = dict(zip(names, agreed.tolist()))
+        others = sorted((time_, index) for index, (name, time_) in enumerate(zip(names, agreed))
+                        if name != self.ruled)
+        kept = {self.ruled, *(names[index]
+                              for _, index in others[:select.LEARN_FINALISTS - 1])}
+        self.candidates = [name for name in names if name in kept]
+        self.samples = {name: self.samples[name] for name in self.candidates}
+        self.calls = 0
+        self._screened = True
+        return [name for name in names if name not in kept]
 
     def due(self) -> tuple[str, bool]:
         """The candidate this call runs, and whether it is timed (the last of its calls in a
-        row: the ones before warm it up). The first call of a case warms the rules' choice up
-        (the first candidate) before the others are even named."""
-        if self._propose is not None and self.calls >= 1:
+        row: the ones before warm it up). The candidates are named at the first learning call
+        (the case's second), inside a warm-up: the ranks finish naming them before anything
+        is timed."""
+        if self._propose is not None:
             self.candidates = list(self._propose())
             self._propose = None
             self.samples = {name: self.samples.get(name, []) for name in self.candidates}
@@ -168,6 +197,7 @@ class Record:
                 "decided": None if verdict is None else verdict.decided,
                 "verdict": None if verdict is None else verdict.text,
                 "agreed_us": {name: round(1e6 * t, 3) for name, t in self.agreed.items()},
+                "screened_us": {name: round(1e6 * t, 3) for name, t in self.screened.items()},
                 "learning_calls": self.learning_calls, "learning_seconds": self.cost,
                 "rounds": self.rounds, "remembered": self.remembered}
 
@@ -237,24 +267,35 @@ def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, topol
 
 def _candidates(facts: tuple, runs: int) -> tuple[str, ...]:
     """What a case times: :func:`.select.learn_candidates` of ``facts`` (its arguments),
-    without (on one node) algorithms made for several nodes, and as many as
-    :data:`.select.LEARN_CALLS` calls can time ``runs`` rounds of (two at least: the rules'
-    choice and one challenger)."""
+    without (on one node) algorithms made for several nodes, as many as :func:`budget` fits."""
     single, ruled = facts[4], facts[5]
     names = select.learn_candidates(*facts)
     names = tuple(decide.eligible(names, one_node=single, keep=(ruled,)))
-    fits = max(2, select.LEARN_CALLS // (runs * (WARM_UPS + 1)))
-    return names[:fits]
+    return names[:budget(runs)[0]]
+
+
+def budget(runs: int) -> tuple[int, int]:
+    """(candidates, calls) of one learning at ``runs`` rounds within :data:`.select.LEARN_CALLS`
+    calls: where a first round over more candidates than :data:`.select.LEARN_FINALISTS` still
+    leaves the finalists their other rounds, that many are screened (up to
+    :data:`.select.LEARN_CANDIDATES`); else as many as get every round (two at least: the
+    rules' choice and one challenger). Screening widens the net where the model ranks several
+    schedules alike: the one that wins on this machine is often not among its top three."""
+    pair, finalists = WARM_UPS + 1, select.LEARN_FINALISTS
+    if runs > 1:
+        screened = min((select.LEARN_CALLS - finalists * (runs - 1) * pair) // pair,
+                       select.LEARN_CANDIDATES)
+        if screened > finalists:
+            return screened, screened * pair + finalists * (runs - 1) * pair
+    fits = max(2, select.LEARN_CALLS // (runs * pair))
+    return fits, fits * runs * pair
 
 
 def calls_to_decide() -> int:
     """The most calls a case of ``auto`` spends learning with the present settings (0 with
     learning off): a benchmark warms ``auto`` up this long so that it times the pick."""
     settings = select.learn_settings()
-    if not settings.on:
-        return 0
-    per_candidate = settings.runs * (WARM_UPS + 1)
-    return max(2, select.LEARN_CALLS // per_candidate) * per_candidate
+    return budget(settings.runs)[1] if settings.on else 0
 
 
 def record_of(state, call) -> Record:
@@ -312,6 +353,9 @@ class Learner:
                 return self._adopt()
             record.counted()
             return self.plan_of(record.winner).run()
+        if not record.seen:  # a case's first call: the rules' choice, as a call made once
+            record.seen = True
+            return self.plan_of(record.ruled).run()
         name, timed = record.due()
         try:
             plan = self.plan_of(name)
@@ -324,7 +368,12 @@ class Learner:
             agree(self._state.checker, "allreduce", check, None, ALGORITHMS, state=self._state)
         result = plan.run()
         record.ran(name, MPI.Wtime() - start, timed)
-        if record.calls >= record.total:
+        if record.calls >= record.total and record.screening:
+            for dropped in record.screen(self._state.private):
+                plan = self._plans.pop(dropped, None)
+                if plan is not None:
+                    plan.free()
+        elif record.calls >= record.total:
             record.decide(self._state.private)
             if not record.relearn:
                 forget(self._state, record)

@@ -225,15 +225,17 @@ TABLE_CLASSES = (*OP_CLASSES, *(f"{name}_in_place" for name in OP_CLASSES))
 LEARN_ENV, LEARN_RUNS_ENV, RELEARN_ENV = ("MPIALLREDUCE_LEARN", "MPIALLREDUCE_LEARN_RUNS",
                                           "MPIALLREDUCE_RELEARN_EVERY")
 #: defaults: on (the rules are one machine's measurements; a repeated call is worth timing on
-#: this one, and the verdict is kept across jobs, :mod:`.picks`); 5 timed runs per candidate
-#: after one untimed run (the median of 5 is robust to one burst of load); never re-timed.
+#: this one, and the verdict is kept across jobs, :mod:`.picks`); 5 timed runs per finalist
+#: after one untimed run each (five, not four: the median and the interquartile range of five
+#: both ignore one burst of load, where four rounds' quartiles take a quarter of it); never
+#: re-timed.
 LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "on", 5, 0
-#: the calls a case may spend learning: candidates x runs x 2 stays within it (three
-#: candidates at the default runs). Thirty calls, each at most LEARN_MARGIN times the pick's
-#: predicted time, cost a job of 1,000 calls of the case a few percent at most, and the
-#: candidates past the third (the model's) rarely won where the rules' choice, native and shm
-#: (on one node) were timed (``scripts/advisor_targets.py`` measures both).
-LEARN_CALLS = 30
+#: the calls a case may spend learning (``learn.budget``): a first round screens up to
+#: LEARN_CANDIDATES, then the rules' choice and the fastest other (LEARN_FINALISTS in all) run
+#: the other rounds: 6 x 2 + 2 x 4 x 2 = 28 calls at the defaults. Each runs a candidate the
+#: model puts within LEARN_MARGIN of the fastest; ``scripts/auto_learn.py`` measures what
+#: the calls cost a job of 1,000 calls of the case.
+LEARN_CALLS, LEARN_FINALISTS = 30, 2
 #: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
 #: times slower than its fastest are not (the model ranks; the machine decides). Six: with
 #: four, the algorithm that measured best was often no candidate at all where the model puts
@@ -372,8 +374,23 @@ def choose(nranks: int, nbytes: int, reducer: Reducer, topology=None,
     return "native"
 
 
+def rules_choice(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
+                 one_node: bool, dtype: str = "float64", topology=None) -> str:
+    """What the built-in rules alone choose (no table, no learning): the incumbent a
+    measurement must beat to replace them (``tune``'s and learning's alike)."""
+    if one_node:
+        picked = one_node_choice(nranks, nbytes, in_place, reducer.commutative,
+                                 use_tables=False)
+        if picked is not None:
+            return picked
+    if nranks > 1 and native_deviates_for(reducer.name, dtype):
+        return "recursive_doubling" if nbytes < MODULAR_RING_BYTES else "ring"
+    return choose(nranks, nbytes, reducer, topology, use_tables=False, in_place=in_place)
+
+
 def one_node_choice(nranks: int, nbytes: int, in_place: bool,
-                    commutative: bool = True, shared: bool = False) -> str | None:
+                    commutative: bool = True, shared: bool = False,
+                    use_tables: bool = True) -> str | None:
     """What ``auto`` runs if every rank is on one node (the same on every rank for the same
     arguments): ``shm``, an out-of-place schedule of :data:`ONE_NODE_OUT_OF_PLACE_RULES`
     (commutative ops), or None (the rules for any topology decide). None where a measured
@@ -381,7 +398,7 @@ def one_node_choice(nranks: int, nbytes: int, in_place: bool,
     in-place call on node-shared memory (the words of a reproducible sum), which ``shm`` reduces
     with no copy in or out: no upper size limit (the limits above were measured on private
     arrays, which ``shm`` copies in and out; on shared arrays it beat native at every size measured)."""
-    if nranks in tables():
+    if use_tables and nranks in tables():
         return None
     if shared:
         in_place = True

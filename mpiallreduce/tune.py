@@ -19,11 +19,13 @@ after one untimed run (a fresh order each round, seeded alike on every rank: a r
 ran each candidate right after the same other one every round, whose caches and pages it
 inherits), so a burst of load on a shared machine hits every candidate alike. A
 batch's time is the slowest rank's mean; a candidate's time is the median over rounds. At
-each size :func:`mpiallreduce.decide.decide` judges the rounds with ``native`` as the
-incumbent (MPI's own is what a table entry replaces): a candidate wins only if its median beats
-native's by more than the spread of either one's rounds; otherwise the size keeps native and
+each size :func:`mpiallreduce.decide.decide` judges the rounds with the built-in rules' choice
+there as the incumbent (:func:`incumbent`: what ``auto`` runs without a table, and what
+learning's incumbent is too): a candidate wins only if its median beats the incumbent's by
+more than the spread of either one's rounds; otherwise the size keeps the rules' choice and
 its line says "within noise" (so it does with fewer than
-:data:`mpiallreduce.decide.MIN_ROUNDS` rounds, or with rounds of native too spread to judge).
+:data:`mpiallreduce.decide.MIN_ROUNDS` rounds, or with rounds of the incumbent too spread to
+judge).
 On one node ``hierarchical`` and ``cascade`` (made for several nodes) are not timed.
 Consecutive sizes with the same pick merge into one range. Op classes: ``commutative`` is
 float64 SUM; ``noncommutative`` is a user op declared non-commutative (an elementwise add
@@ -61,6 +63,7 @@ import mpiallreduce as mar
 
 from . import algorithms, learn, select
 from .decide import Verdict, decide, eligible
+from .ops import reducer
 from .sizes import UsageError, human, parse_sizes
 from .topology import Topology
 
@@ -163,10 +166,20 @@ def measure_rounds(comm, cands: list[Candidate], size: int, repeats: int, op=MPI
     return {label: rounds[:, index].tolist() for index, label in enumerate(labels)}
 
 
-def verdict(rounds: dict[str, list[float]], one_node: bool) -> Verdict:
+def verdict(rounds: dict[str, list[float]], one_node: bool, incumbent: str = "native"
+            ) -> Verdict:
     """The decision at one size: :func:`mpiallreduce.decide.decide` over each candidate's
-    rounds, native the incumbent."""
-    return decide(rounds, "native", one_node=one_node)
+    rounds, ``incumbent`` (what the built-in rules run there, :func:`incumbent`) to beat;
+    native where the incumbent was not measured (it refused the case)."""
+    return decide(rounds, incumbent if incumbent in rounds else "native", one_node=one_node)
+
+
+def incumbent(nranks: int, size: int, op, in_place: bool, one_node: bool) -> str:
+    """What ``auto`` runs at ``size`` bytes of float64 by the built-in rules alone: the choice
+    a table entry replaces, as learning's incumbent is (so tune and learning ask the same
+    question, and a size within the noise keeps what ``auto`` would run anyway)."""
+    return select.rules_choice(nranks, size, reducer(op, np.dtype(np.float64)), in_place,
+                               one_node)
 
 
 def ranges(sizes: list[int], picks: list[str]) -> list[dict]:
@@ -207,7 +220,8 @@ def tune(comm, sizes: list[int], repeats: int, out=None,
                     rounds = measure_rounds(comm, candidates(op_class, one_node), size, repeats,
                                             op=op, in_place=mode == "in")
                     times = {label: statistics.median(t) for label, t in rounds.items()}
-                    judged = verdict(rounds, one_node)  # the same rounds on every rank
+                    judged = verdict(rounds, one_node, incumbent(
+                        comm.size, size, op, mode == "in", one_node))  # the same on every rank
                     medians.append(times)
                     picks.append(judged.pick)
                     verdicts.setdefault(name, {})[str(size)] = judged.text
@@ -226,7 +240,8 @@ def tune(comm, sizes: list[int], repeats: int, out=None,
         user_op.Free()
     if comm.rank == 0 and undecided:
         print(f"# within noise at {undecided} of {total} size(s) and class(es): the table keeps "
-              f"native there (more --repeats, or an idle machine, can tell them apart)",
+              f"the built-in rules' choice there (more --repeats, or an idle machine, can tell "
+              f"them apart)",
               file=out, flush=True)
     library = MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00")
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

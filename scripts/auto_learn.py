@@ -181,7 +181,8 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
         best = min(ours, key=ours.get)
         winner = report["winner"]
         one_node = Topology.from_comm(comm).nnodes == 1  # (collective)
-        advice = _advice(samples, report, one_node)
+        advice = _advice(samples, report, one_node, tune.incumbent(
+            comm.size, size, MPI.SUM, in_place, one_node))
         # the least of a dozen noisy medians is biased low (the winner's curse): pick the best
         # by name on the even rounds, then time it and auto on the odd ones
         even, odd = _medians(samples, slice(0, None, 2)), _medians(samples, slice(1, None, 2))
@@ -204,16 +205,16 @@ def case(world, size: int, in_place: bool, repeats: int) -> dict:
         comm.Free()
 
 
-def _advice(samples: dict, report: dict, one_node: bool) -> dict:
+def _advice(samples: dict, report: dict, one_node: bool, ruled: str) -> dict:
     """What each advisor says at this row, with :func:`mpiallreduce.decide.decide` as each
     does: learning's own verdict (its rounds, the rules' choice the incumbent), tune's
-    (:func:`mpiallreduce.tune.verdict` over the rounds of every algorithm by name here, native
-    the incumbent) and the bench's advice (the same rounds with auto's call, auto the
+    (:func:`mpiallreduce.tune.verdict` over the rounds of every algorithm by name here, the
+    built-in rules' choice ``ruled`` the incumbent, as tune's) and the bench's advice (the same rounds with auto's call, auto the
     incumbent: a win names the algorithm to call instead of auto). They agree where every
     decided verdict names the same algorithm (auto's stands for what it learned); a verdict
     "within noise" says the measurement could not tell, and disagrees with nothing."""
     names = {k: v for k, v in samples.items() if k not in ("auto", "comm.Allreduce")}
-    tuned = tune.verdict(names, one_node)
+    tuned = tune.verdict(names, one_node, ruled)
     benched = decide.decide({k: v for k, v in samples.items() if k != "comm.Allreduce"},
                             "auto", one_node=one_node)
     learned = report["winner"]

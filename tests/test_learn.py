@@ -36,6 +36,20 @@ def test_a_bad_switch_is_a_clear_error(monkeypatch, name, value):
         select.learn_settings()
 
 
+@pytest.mark.parametrize("runs", [1, 2, 3, 4, 5, 9])
+def test_learning_fits_its_budget_of_calls(runs):
+    from mpiallreduce import learn
+
+    candidates, calls = learn.budget(runs)
+    assert candidates >= 2 and calls == (
+        candidates * 2 + select.LEARN_FINALISTS * (runs - 1) * 2
+        if candidates > select.LEARN_FINALISTS else candidates * runs * 2)
+    if runs * 2 * 2 <= select.LEARN_CALLS:  # two candidates fit: the budget holds
+        assert calls <= select.LEARN_CALLS
+    if runs == select.LEARN_RUNS:
+        assert candidates == select.LEARN_CANDIDATES  # the defaults screen the most
+
+
 def test_the_switches_change_the_digest_the_ranks_compare(monkeypatch):
     monkeypatch.setenv(select.TUNING_ENV, "off")
     monkeypatch.setenv(select.LEARN_ENV, "off")
@@ -105,13 +119,30 @@ def test_each_candidate_is_timed_on_the_call_after_one_of_its_own():
 
     record = learn.Record(("key",), ("shm", "native", "ring"), "shm", runs=2, relearn=0)
     sequence = []
-    while record.calls < record.total:
-        name, timed = record.due()
-        sequence.append((name, timed))
-        record.ran(name, 1e-6, timed)
-    assert sequence == [step for _ in range(2) for name in ("shm", "native", "ring")
-                        for step in [(name, False), (name, True)]]
+    _drive(record, lambda name, index: {"shm": 1e-6, "native": 3e-6, "ring": 2e-6}[name],
+           sequence)
+    # the first round screens all three; the rules' choice and the fastest other go on
+    assert sequence == [step for names in (("shm", "native", "ring"), ("shm", "ring"))
+                        for name in names for step in [(name, False), (name, True)]]
+    assert record.candidates == ["shm", "ring"] and set(record.screened) == {"shm", "native",
+                                                                             "ring"}
     assert all(len(samples) == 2 for samples in record.samples.values())
+
+
+def _drive(record, seconds, sequence=None) -> str:
+    """Run ``record``'s learning as a Learner does (screening, then deciding, on one rank):
+    ``seconds(name, index)`` is the candidate's time at its ``index``-th timed call."""
+    seen: dict[str, int] = {}
+    while True:
+        name, timed = record.due()
+        if sequence is not None:
+            sequence.append((name, timed))
+        record.ran(name, seconds(name, seen.get(name, 0)) if timed else 1.0, timed)
+        seen[name] = seen.get(name, 0) + timed
+        if record.calls >= record.total and record.screening:
+            record.screen(MPI.COMM_SELF)
+        elif record.calls >= record.total:
+            return record.decide(MPI.COMM_SELF)
 
 
 def _record(runs: int, one_node: bool = True):
@@ -124,12 +155,7 @@ def _record(runs: int, one_node: bool = True):
 
 def _learn(record, times: dict) -> str:
     """Feed ``times[name][round]`` as the timed calls, in the order the record asks."""
-    seen = dict.fromkeys(times, 0)
-    while record.calls < record.total:
-        name, timed = record.due()
-        record.ran(name, times[name][seen[name]] if timed else 1.0, timed)
-        seen[name] += timed
-    return record.decide(MPI.COMM_SELF)
+    return _drive(record, lambda name, index: times[name][index])
 
 
 def test_learning_decides_by_the_one_rule_with_the_rules_choice_as_incumbent():

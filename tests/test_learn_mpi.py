@@ -255,12 +255,26 @@ def test_learning_is_on_by_default_and_decides_within_its_budget(comm, monkeypat
     by_size = {r.key[0]: r for r in _records(comm)}
     single = by_size[32]  # 5 doubles: its one call ran the rules' choice, nothing ranked
     assert single.winner is None and single.candidates == [single.ruled]
-    assert single.learning_calls == 1
+    assert single.seen and single.learning_calls == 0
     record = by_size[16384]  # 3000 doubles: the bucket of 24000 bytes
     assert record.winner is not None and record.rounds == 1
-    assert record.learning_calls == len(record.candidates) * select.LEARN_RUNS * 2
+    screened = len(record.screened) or len(record.candidates)
+    if record.screened:  # a first round over more, then the finalists' other rounds
+        assert record.ruled in record.candidates and set(record.candidates) <= set(record.screened)
+        assert len(record.candidates) == min(select.LEARN_FINALISTS, screened)
+        assert record.learning_calls == 2 * screened \
+            + len(record.candidates) * (select.LEARN_RUNS - 1) * 2
+    else:
+        assert record.learning_calls == len(record.candidates) * select.LEARN_RUNS * 2
+    assert all(len(times) == select.LEARN_RUNS for times in record.samples.values())
     assert 2 <= len(record.candidates) and record.learning_calls <= select.LEARN_CALLS
     assert record.learning_calls <= learn.calls_to_decide()
+    # the finalists were the fastest of the first round, the rules' choice kept whatever it ran
+    if record.screened:
+        dropped = set(record.screened) - set(record.candidates)
+        slowest_kept = max(record.screened[name] for name in record.candidates
+                           if name != record.ruled)
+        assert all(record.screened[name] >= slowest_kept for name in dropped)
     _same_choices(comm)
 
 

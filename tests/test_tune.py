@@ -148,6 +148,28 @@ def test_a_size_keeps_native_unless_beaten_beyond_the_noise():
     assert tune.verdict(far, one_node=False).pick == "cascade"
 
 
+@pytest.mark.parametrize("one_node", [True, False])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("size", [8, 1 << 16, 8 << 20, 64 << 20])
+def test_the_incumbent_is_what_the_built_in_rules_run(table_file, one_node, in_place, size):
+    """tune asks what learning asks: does anything beat what auto runs without a table? (A
+    size within the noise then keeps that, not native.)"""
+    expected = select.one_node_choice(2, size, in_place, use_tables=False) if one_node else None
+    expected = expected or select.choose(2, size, reducer(MPI.SUM, np.dtype(np.float64)),
+                                         use_tables=False, in_place=in_place)
+    assert tune.incumbent(2, size, MPI.SUM, in_place, one_node) == expected
+    # a table for the size changes nothing: the incumbent is the rules', not the table's
+    select.write_table(str(table_file), _table(commutative=[
+        {"min_bytes": 0, "max_bytes": None, "algorithm": "tree"}]))
+    select.reload()
+    assert tune.incumbent(2, size, MPI.SUM, in_place, one_node) == expected
+    if one_node and size == 8:
+        assert expected == "shm"
+    rounds = {"native": [1.0] * 5, "shm": [1.0] * 5, "ring": [1.0] * 5, "tree": [1.0] * 5}
+    assert tune.verdict(rounds, one_node, expected).pick == (
+        expected if expected in rounds else "native")
+
+
 def test_candidates_are_every_registered_algorithm_that_accepts_the_op_class():
     from mpiallreduce.algorithms import REGISTRY
     assert [c.algorithm for c in tune.candidates("commutative")] == ["native", "shm", *REGISTRY]
@@ -185,13 +207,16 @@ def test_tune_under_mpirun_writes_a_table_choose_reads(tmp_path):
     assert set(record) >= set(select.PROVENANCE_FIELDS)
     assert "mpiallreduce.tune --sizes 8:64 --repeats 1" in record["command"]
     assert set(record["measured"]["commutative"]) == {"8", "16", "32", "64"}
-    # one round measures no spread: every size keeps native, and says so
-    assert set(record["verdicts"]["commutative"]) == {"8", "16", "32", "64"}
-    assert all(text.startswith("within noise: keeping native")
-               for text in record["verdicts"]["commutative"].values())
-    assert "-> within noise: keeping native" in result.stdout
-    assert all(r["algorithm"] == "native" for ranges in data["tables"][0]["classes"].values()
-               for r in ranges)
+    # one round measures no spread: every size keeps what the built-in rules run there (on
+    # this one node, shm), and says so
+    ruled = {size: tune.incumbent(2, int(size), MPI.SUM, False, one_node=True)
+             for size in ("8", "16", "32", "64")}
+    assert set(record["verdicts"]["commutative"]) == set(ruled)
+    for size, text in record["verdicts"]["commutative"].items():
+        assert text.startswith(f"within noise: keeping {ruled[size]}")
+    assert f"-> within noise: keeping {ruled['8']}" in result.stdout
+    assert [r["algorithm"] for r in data["tables"][0]["classes"]["commutative"]] \
+        == sorted(set(ruled.values()))
 
 
 def test_a_table_keeps_its_provenance_and_a_rewrite_drops_only_its_own(table_file):
