@@ -52,6 +52,9 @@ MAX_NOISE = 0.5
 #: over :data:`MAX_NOISE`; too few rounds to measure a spread.
 WIN, FASTEST, ONLY, WITHIN_NOISE, TOO_NOISY, TOO_FEW = (
     "win", "fastest", "only", "within noise", "too noisy", "too few rounds")
+#: learning's own: a case whose calls are too short to repay timing candidates keeps the
+#: incumbent unmeasured (:func:`mpiallreduce.select.learning_pays`)
+TOO_SHORT = "too short to learn"
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Verdict:
             return f"{keep}: nothing measured faster (noise {percent(self.noise)})"
         if self.reason == ONLY:
             return f"{keep}: no other candidate"
+        if self.reason == TOO_SHORT:
+            return f"{keep}: its calls are too short to repay learning"
         if self.reason == WITHIN_NOISE:
             return (f"within noise: {keep} ({self.challenger} leads by {percent(self.margin)}, "
                     f"noise {percent(self.noise)})")

@@ -132,11 +132,22 @@ class Record:
         (the case's second), inside a warm-up: the ranks finish naming them before anything
         is timed."""
         if self._propose is not None:
-            self.candidates = list(self._propose())
-            self._propose = None
-            self.samples = {name: self.samples.get(name, []) for name in self.candidates}
+            self.expand()
         block, within = divmod(self.calls, WARM_UPS + 1)
         return self.candidates[block % len(self.candidates)], within == WARM_UPS
+
+    def expand(self) -> None:
+        """Name the candidates (the first learning call); a case whose calls are too short
+        to repay learning (:func:`.select.learning_pays`, asked by ``_propose``) gets none
+        but the rules' choice, and is settled at once: it keeps it, unmeasured."""
+        names = self._propose()
+        self._propose = None
+        self.candidates = [self.ruled] if names is None else list(names)
+        self.samples = {name: self.samples.get(name, []) for name in self.candidates}
+        if names is None:
+            self.verdict = decide.Verdict(self.ruled, self.ruled, float("nan"), float("nan"),
+                                          False, decide.TOO_SHORT)
+            self.winner = self.ruled
 
     def ran(self, name: str, seconds: float, timed: bool) -> None:
         self.calls += 1
@@ -265,10 +276,13 @@ def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, topol
     return LEARNING
 
 
-def _candidates(facts: tuple, runs: int) -> tuple[str, ...]:
+def _candidates(facts: tuple, runs: int) -> tuple[str, ...] | None:
     """What a case times: :func:`.select.learn_candidates` of ``facts`` (its arguments),
-    without (on one node) algorithms made for several nodes, as many as :func:`budget` fits."""
-    single, ruled = facts[4], facts[5]
+    without (on one node) algorithms made for several nodes, as many as :func:`budget` fits;
+    None where its calls are too short to repay learning (:func:`.select.learning_pays`)."""
+    nranks, nbytes, _, in_place, single, ruled, dtype, topology = facts
+    if not select.learning_pays(nranks, nbytes, ruled, dtype, in_place, topology):
+        return None
     names = select.learn_candidates(*facts)
     names = tuple(decide.eligible(names, one_node=single, keep=(ruled,)))
     return names[:budget(runs)[0]]
@@ -356,6 +370,13 @@ class Learner:
         if not record.seen:  # a case's first call: the rules' choice, as a call made once
             record.seen = True
             return self.plan_of(record.ruled).run()
+        if record._propose is not None:
+            record.expand()
+            if record.winner is not None:  # too short to learn: the rules' choice from now on
+                result = self.plan_of(record.winner).run()
+                if not record.relearn:
+                    forget(self._state, record)
+                return result
         name, timed = record.due()
         try:
             plan = self.plan_of(name)

@@ -236,6 +236,13 @@ LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "on", 5, 0
 #: model puts within LEARN_MARGIN of the fastest; ``scripts/auto_learn.py`` measures what
 #: the calls cost a job of 1,000 calls of the case.
 LEARN_CALLS, LEARN_FINALISTS = 30, 2
+#: learning pays only where a call is long: its candidates' set-up and 28 calls cost a case
+#: 1-3 ms beyond the rules' choice (``scripts/auto_learn.py``, its cost column), over 5% of a
+#: job of 1,000 calls below about 50 us a call. So a case the model predicts under
+#: LEARN_MIN_SECONDS per call (the model overestimates small calls on a loaded machine, so
+#: this is about 50 us measured) keeps the rules' choice; where the model cannot predict (more
+#: ranks than it has cores), cases below LEARN_MIN_BYTES per rank do.
+LEARN_MIN_SECONDS, LEARN_MIN_BYTES = 100e-6, 512 << 10
 #: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
 #: times slower than its fastest are not (the model ranks; the machine decides). Six: with
 #: four, the algorithm that measured best was often no candidate at all where the model puts
@@ -315,6 +322,27 @@ def learn_candidates(nranks: int, nbytes: int, reducer: Reducer, in_place: bool,
     return _learn_candidates(nranks, bucket, reducer.commutative,
                              native_deviates_for(reducer.name, dtype), bool(in_place),
                              bool(one_node), ruled, dtype, topology)
+
+
+def learning_pays(nranks: int, nbytes: int, ruled: str, dtype: str = "float64",
+                  in_place: bool = False, topology=None) -> bool:
+    """Whether a case is long enough a call to learn (:data:`LEARN_MIN_SECONDS`,
+    :data:`LEARN_MIN_BYTES`): the same on every rank for the same arguments."""
+    bucket = 1 << (max(int(nbytes), 1).bit_length() - 1)
+    return _learning_pays(nranks, bucket, ruled, dtype, bool(in_place), topology,
+                          LEARN_MIN_SECONDS, LEARN_MIN_BYTES)
+
+
+@functools.lru_cache(maxsize=1024)
+def _learning_pays(nranks: int, bucket: int, ruled: str, dtype: str, in_place: bool, topology,
+                   seconds: float, least: int) -> bool:
+    try:
+        from . import model
+
+        return model.predict(ruled, nranks, bucket, topology, dtype=dtype,
+                             in_place=in_place).time >= seconds
+    except (ValueError, KeyError):  # the model cannot say: by size alone
+        return bucket >= least
 
 
 def native_deviates_for(name: str, dtype: str) -> bool:

@@ -36,10 +36,13 @@ def comm():
 
 @pytest.fixture(autouse=True)
 def learning(monkeypatch):
-    """Learning on, one timed run per candidate (the tests count calls, not time)."""
+    """Learning on, one timed run per candidate (the tests count calls, not time), at every
+    size (the calls of small cases are otherwise too short to learn)."""
     monkeypatch.setenv(select.LEARN_ENV, "on")
     monkeypatch.setenv(select.LEARN_RUNS_ENV, "1")
     monkeypatch.delenv(select.RELEARN_ENV, raising=False)
+    monkeypatch.setattr(select, "LEARN_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(select, "LEARN_MIN_BYTES", 0)
 
 
 def _records(comm) -> list[learn.Record]:
@@ -235,20 +238,23 @@ def test_save_writes_a_table_auto_reads(comm, tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_learning_is_on_by_default_and_decides_within_its_budget(comm, monkeypatch, in_place):
     """Nothing set: a repeated call learns at the default runs, within LEARN_CALLS calls of its
-    case, and every later call runs the pick; a case called once names no candidates."""
-    for name in (select.LEARN_ENV, select.LEARN_RUNS_ENV):
+    case, and every later call runs the pick; a case called once names no candidates; a case
+    of calls too short to repay learning keeps the rules' choice, unmeasured."""
+    monkeypatch.undo()  # the defaults, thresholds included (then no switch set at all)
+    for name in (select.LEARN_ENV, select.LEARN_RUNS_ENV, select.RELEARN_ENV):
         monkeypatch.delenv(name, raising=False)
     once = contribution(comm, 5, "float64")
     mar.allreduce(once, np.empty_like(once), comm=comm)  # a case called once
-    x = contribution(comm, 3000, "float64")
-    out = np.empty_like(x)
-    for call in range(select.LEARN_CALLS + 5):
-        if in_place:
-            out[:] = x
-            mar.allreduce(MPI.IN_PLACE, out, comm=comm)
-        else:
-            mar.allreduce(x, out, comm=comm)
-        assert_matches_native(comm, x, out, MPI.SUM)
+    for count in (100, 70_000):  # 800 B: too short; 560 KB: long enough, at any rank count
+        x = contribution(comm, count, "float64")
+        out = np.empty_like(x)
+        for call in range(select.LEARN_CALLS + 5):
+            if in_place:
+                out[:] = x
+                mar.allreduce(MPI.IN_PLACE, out, comm=comm)
+            else:
+                mar.allreduce(x, out, comm=comm)
+            assert_matches_native(comm, x, out, MPI.SUM)
     if comm.size == 1:
         assert _records(comm) == []
         return
@@ -256,7 +262,14 @@ def test_learning_is_on_by_default_and_decides_within_its_budget(comm, monkeypat
     single = by_size[32]  # 5 doubles: its one call ran the rules' choice, nothing ranked
     assert single.winner is None and single.candidates == [single.ruled]
     assert single.seen and single.learning_calls == 0
-    record = by_size[16384]  # 3000 doubles: the bucket of 24000 bytes
+    short = by_size[512]  # 100 doubles: the rules' choice, settled at its second call
+    assert short.winner == short.ruled and short.learning_calls == 0
+    assert short.verdict.reason == "too short to learn" and not short.verdict.decided
+    assert not select.learning_pays(comm.size, 800, short.ruled, "<f8", in_place)
+    assert not any(isinstance(e.plan, learn.Learner) and e.plan.recvbuf.size == 100
+                   for e in _state.existing(comm).calls.entries.values())
+    record = by_size[524288]  # 70,000 doubles: the bucket of 560,000 bytes
+    assert select.learning_pays(comm.size, 560_000, record.ruled, "<f8", in_place)
     assert record.winner is not None and record.rounds == 1
     screened = len(record.screened) or len(record.candidates)
     if record.screened:  # a first round over more, then the finalists' other rounds

@@ -29,6 +29,8 @@ def kept(tmp_path_factory, monkeypatch):
     monkeypatch.setenv(select.LEARN_RUNS_ENV, "3")
     monkeypatch.delenv(select.RELEARN_ENV, raising=False)
     monkeypatch.delenv(picks.DAYS_ENV, raising=False)
+    monkeypatch.setattr(select, "LEARN_MIN_SECONDS", 0.0)  # small cases learn too
+    monkeypatch.setattr(select, "LEARN_MIN_BYTES", 0)
     yield where
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0 and os.path.exists(where):
