@@ -1,41 +1,53 @@
 """``auto`` learns on the machine at hand: time the leading candidates, agree, keep the fastest.
 
-With ``MPIALLREDUCE_LEARN=on`` (:func:`.select.learn_settings`), a repeated ``auto`` allreduce
-(a cached call, or a plan's runs) is learned per *case* of its communicator: (power-of-two size
-bucket, in place or not, op commutative, whether MPI saturates the op on the dtype, dtype,
-topology passed). The rules' choice is the first guess; :func:`.select.learn_candidates` adds
-native, ``shm`` on one node and the model's leading schedules (a handful at most). The case's
-:class:`Record` then hands its calls to the candidates in turn, ``runs`` rounds, two calls in a
-row each: an untimed one, which brings the candidate's buffers, windows and connections back
-into the caches after the other candidates' calls (the first also touches its pages), then a
-timed one. So each candidate is timed warm, as a repeated call runs it; rounds interleave, so
-a burst of load hits every candidate alike. (Timed straight after another candidate's call,
-``shm`` in place at 256 KiB-2 MiB lost to native and the ring, which it beats when repeated:
-a cold call does not price a repeated one.) A one-shot call's candidate is timed with the
-argument check it will pay once bound (one more check, except for ``shm``, whose run checks
-the arguments itself). After the last, one ``Allreduce(MAX)`` on the private communicator makes
-every candidate's time in every round the slowest rank's, and :func:`mpiallreduce.decide.decide`
-judges those rounds with the rules' choice as the incumbent: a candidate replaces it only if its
-median beats the rules' choice by more than the spread of either one's rounds. The same bits
-on every rank, so the same verdict, by construction. Where the measurement cannot tell (a lead
-within the noise, fewer than :data:`mpiallreduce.decide.MIN_ROUNDS` runs, a machine too busy),
-the rules' choice stays and the case's record says "within noise" (:func:`learned`). On one
-node ``hierarchical`` and ``cascade`` are never candidates.
+Unless ``MPIALLREDUCE_LEARN=off`` (:func:`.select.learn_settings`), a repeated ``auto``
+allreduce (a cached call, or a plan's runs) is learned per *case* of its communicator:
+(power-of-two size bucket, in place or not, op commutative, whether MPI saturates the op on the
+dtype, dtype, topology passed). The case's first call runs the rules' choice, outside learning
+(a call made once pays nothing for it). At its second, the candidates are named: none but the
+rules' choice where the calls are too short to repay learning
+(:func:`.select.learning_pays`: the case then keeps the rules' choice, unmeasured); else the
+rules' choice first, then :func:`.select.learn_candidates`' native, ``shm`` on one node and the
+model's leading schedules, as many as :func:`budget` fits in :data:`.select.LEARN_CALLS` calls.
+The case's :class:`Record` then hands its calls to the candidates in turn, two calls in a row
+each: an untimed one, which brings the candidate's buffers, windows and connections back into
+the caches after the other candidates' calls (the first also touches its pages), then a timed
+one. So each candidate is timed warm, as a repeated call runs it; rounds interleave, so a
+burst of load hits every candidate alike. (Timed straight after another candidate's call,
+``shm`` in place at 256 KiB-2 MiB lost to native and the ring, which it beats when repeated: a
+cold call does not price a repeated one.) A first round over every candidate screens them: one
+``Allreduce(MAX)`` makes its times the slowest rank's and the rules' choice and the fastest
+others (:data:`.select.LEARN_FINALISTS` in all) run the remaining rounds. A one-shot call's
+candidate is timed with the argument check it will pay once bound (one more check, except for
+``shm``, whose run checks the arguments itself). After the last round, one ``Allreduce(MAX)``
+on the private communicator makes every finalist's time in every round the slowest rank's, and
+:func:`mpiallreduce.decide.decide` judges those rounds with the rules' choice as the incumbent:
+a candidate replaces it only if its median beats the rules' choice by more than the spread of
+either one's rounds. The same bits on every rank, so the same verdict, by construction. Where
+the measurement cannot tell (a lead within the noise, fewer than
+:data:`mpiallreduce.decide.MIN_ROUNDS` runs, a machine too busy), the rules' choice stays and
+the case's record says "within noise" (:func:`learned`). On one node ``hierarchical`` and
+``cascade`` are never candidates.
 
 Every rank makes the same calls on a communicator in the same order (MPI's rule), so each
-case's count of calls, and with it the candidate a call runs and the call that decides, is the
-same on every rank, whatever each rank's call cache holds. Calls with a deadline (``timeout=``)
-are never timed: they run the learned choice, or the rules' while learning. Once decided (and
-unless re-learning is on), every rank drops the case's learning entries from its call cache,
-so the next call binds the winner as ``auto``'s plain choice: the hot path is the winner's own.
-A plan (``mar.plan``) learns in its own runs and then runs the winner's ``run`` itself.
-``MPIALLREDUCE_RELEARN_EVERY=N`` times the case again after N further calls (the learning plan
-stays in the path then, at the cost of a counter per call).
+case's count of calls, and with it the candidate a call runs and the calls that screen and
+decide, is the same on every rank, whatever each rank's call cache holds. Calls with a deadline
+(``timeout=``) are never timed: they run the learned choice, or the rules' while learning.
+Once decided (and unless re-learning is on), every rank replaces the case's learning entries in
+its call cache with entries of the winner's plan, built while learning (or drops them where it
+was not built there), so the hot path is the winner's own. A plan (``mar.plan``) learns in its
+own runs and then runs the winner's ``run`` itself. ``MPIALLREDUCE_RELEARN_EVERY=N`` times the
+case again after N further calls (the learning plan stays in the path then, at the cost of a
+counter per call).
 
-Cost: the first ``2 * runs * len(candidates)`` calls of a case run the candidates (each
-call one run of one of them, plus a timer) and the last adds one ``Allreduce`` of
-``runs * len(candidates)`` doubles; :func:`learned` reports the calls and seconds each case took.
-:func:`save` writes what was learned as a measured table (:mod:`.select`'s format).
+Kept across jobs: each decision is written down per machine fingerprint (:mod:`.picks`), and
+a communicator's first learning case reads the picks of earlier jobs (collective: rank 0
+reads, one broadcast), so a case decided before runs its pick with no learning call.
+
+Cost: at most :data:`.select.LEARN_CALLS` calls of a case run the candidates (each call one run
+of one of them, plus a timer), plus two small ``Allreduce`` calls; :func:`learned` reports the
+calls and seconds each case took. :func:`save` writes what was learned as a measured table
+(:mod:`.select`'s format).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -81,6 +82,7 @@ def max_days() -> float:
     return days
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_model() -> str:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():

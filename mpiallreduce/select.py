@@ -46,13 +46,15 @@ same without ``provenance``, are read too)::
                                               "algorithm": "ring_segmented"}],
                              "noncommutative": [...]}}]}
 
-Learning (:func:`learn_settings`, :func:`learn_candidates`; the runs themselves are
-:mod:`mpiallreduce.learn`'s). With ``MPIALLREDUCE_LEARN=on`` a repeated ``auto`` call or plan
-times, in its first runs, the candidates this module names for its (size bucket, mode, op
-class, dtype), agrees across ranks on the fastest and keeps it for the communicator: the rules
-above are then only the first guess. A measured table (:func:`save_learned` writes what was
-learned into one) covers both modes with the classes ``commutative_in_place`` and
-``noncommutative_in_place``; a table without them uses its out-of-place ranges in place too.
+Learning (:func:`learn_settings`, :func:`learn_candidates`, :func:`learning_pays`; the runs
+themselves are :mod:`mpiallreduce.learn`'s). Unless ``MPIALLREDUCE_LEARN=off``, a repeated
+``auto`` call or plan whose calls are long enough to repay it times, in its first runs, the
+candidates this module names for its (size bucket, mode, op class, dtype), agrees across ranks
+on the fastest and keeps it for the communicator (and, :mod:`.picks`, for the next job on this
+machine): the rules above are then only the first guess. A measured table
+(:func:`mpiallreduce.learn.save` writes what was learned into one) covers both modes with the
+classes ``commutative_in_place`` and ``noncommutative_in_place``; a table without them uses its
+out-of-place ranges in place too.
 
 Ranges are half-open ``[min_bytes, max_bytes)`` in bytes per rank, sorted and contiguous from 0,
 the last open-ended; algorithms are registered names or ``native``, and the non-commutative

@@ -3,8 +3,8 @@
     mpirun -n N python -m mpi4py -m mpiallreduce.tune [--sizes 8:64M] [--repeats 5] [--output PATH]
         [--modes out,in]
 
-The offline form of what ``auto`` does online with ``MPIALLREDUCE_LEARN=on``
-(:mod:`mpiallreduce.learn`): time candidates interleaved, make each time the slowest rank's
+The offline form of what ``auto`` does online (learning, on unless ``MPIALLREDUCE_LEARN=off``,
+:mod:`mpiallreduce.learn`): time candidates interleaved, make each time the slowest rank's
 with one collective (:func:`mpiallreduce.learn.slowest`), and let
 :func:`mpiallreduce.decide.decide` say whether one beats the incumbent beyond the noise; here
 every candidate, at every size, in both modes, and written to the table file, where learning

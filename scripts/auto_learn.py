@@ -1,10 +1,10 @@
-"""Does ``auto`` with learning match the best algorithm on this machine? (issue 38, item 2)
+"""Does ``auto`` with learning match the best algorithm on this machine?
 
     mpirun -n 2 python -m mpi4py scripts/auto_learn.py [--sizes 8,64,512,4K,32K,256K,2M,8M,64M]
         [--modes out,in] [--repeats 12] [--runs 5] [--json FILE] [--results NAME | --no-results]
 
 For every size and mode, on a fresh duplicate of COMM_WORLD (nothing learned yet), with
-``MPIALLREDUCE_LEARN=on`` and no tuning table (``MPIALLREDUCE_TUNING=off``: the built-in rules
+learning at its defaults and no tuning table (``MPIALLREDUCE_TUNING=off``: the built-in rules
 are the first guess, unedited): repeated ``mar.allreduce`` calls under ``auto`` (float64 SUM,
 the same arrays every call) until the case is learned, counting the calls and their time. Then
 ``auto``'s call (now the winner's cached call) and a call of every algorithm by name
@@ -79,23 +79,26 @@ def _learn(comm, send, out) -> tuple[int, float, dict]:
 
 #: the calls over which learning's cost is stated (the issue's job of 1,000 calls of a case),
 #: and how many fresh communicators time it, alternating learning and the pick
-JOB_CALLS, COST_REPEATS = 1000, 3
+JOB_CALLS, COST_REPEATS = 1000, 5
 
 
-def _first_calls(world, send, out, calls: int, algorithm: str) -> float:
-    """Seconds of the first ``calls`` calls of a case on a fresh communicator (the slowest
-    rank's), kept picks off: with ``auto``, learning from scratch; with a name, that algorithm
-    from the start (its set-up included, as learning's candidates' are)."""
+def _first_calls(world, send, out, calls: int, algorithm: str) -> tuple[float, float]:
+    """Seconds of the first call of a case on a fresh communicator and of the ``calls - 1``
+    after it (the slowest rank's), kept picks off: with ``auto``, learning from scratch; with a
+    name, that algorithm from the start (its set-up included, as learning's candidates'
+    are)."""
     comm = world.Dup()
     kept = os.environ.get("MPIALLREDUCE_LEARNED")
     os.environ["MPIALLREDUCE_LEARNED"] = "off"
     try:
         comm.Barrier()
         start = MPI.Wtime()
-        for _ in range(calls):
+        mar.allreduce(send, out, comm=comm, algorithm=algorithm)
+        first = MPI.Wtime() - start
+        for _ in range(calls - 1):
             mar.allreduce(send, out, comm=comm, algorithm=algorithm)
-        seconds = MPI.Wtime() - start
-        return comm.allreduce(seconds, op=MPI.MAX)
+        rest = MPI.Wtime() - start - first
+        return tuple(comm.allreduce(np.array([first, rest]), op=MPI.MAX))
     finally:
         if kept is None:
             os.environ.pop("MPIALLREDUCE_LEARNED", None)
@@ -107,16 +110,20 @@ def _first_calls(world, send, out, calls: int, algorithm: str) -> float:
 def learning_cost(world, send, out, pick: str, pick_seconds: float) -> float:
     """What learning costs a job of :data:`JOB_CALLS` calls of a case over calling ``pick``
     from the start: the first calls (as many as learning takes, and a few more) timed both
-    ways on fresh communicators, alternating, the median difference over the whole job's
-    time (the calls after those run the pick either way)."""
+    ways on fresh communicators, alternating; the median difference of the calls after the
+    first over the whole job's time (the calls after those run the pick either way). The first
+    call is left out of the difference: it sets up the communicator either way (its duplicates,
+    the node's shared-memory windows), which varies by milliseconds between fresh
+    communicators, and learning runs none of it (a case's first call runs the rules' choice)."""
     calls = learn.calls_to_decide() + 2
     named, learned = [], []
-    for _ in range(COST_REPEATS):
-        named.append(_first_calls(world, send, out, calls, pick))
-        learned.append(_first_calls(world, send, out, calls, "auto"))
-    extra = statistics.median(b - a for a, b in zip(named, learned))
+    for repeat in range(COST_REPEATS):  # (each first every other time)
+        for way in ("pick", "auto") if repeat % 2 == 0 else ("auto", "pick"):
+            (named if way == "pick" else learned).append(
+                _first_calls(world, send, out, calls, pick if way == "pick" else "auto"))
+    extra = statistics.median(b[1] - a[1] for a, b in zip(named, learned))
     # the job calling the pick from the start: its first calls (set-up included), then the rest
-    return extra / (statistics.median(named) + (JOB_CALLS - calls) * pick_seconds)
+    return extra / (statistics.median(sum(a) for a in named) + (JOB_CALLS - calls) * pick_seconds)
 
 
 def _contenders(comm, send, out) -> dict:
@@ -267,7 +274,7 @@ def write_results(args, world, rows: list[dict]) -> None:
     values["held_within_1_05"] = f"{sum(row['held_out']['ratio'] <= 1.05 for row in rows)} of {n}"
     values["held_worst"] = round(max(row["held_out"]["ratio"] for row in rows), 3)
     values["most_learning_calls"] = max(row["learning_calls"] for row in rows)
-    notes = (f"float64 SUM with MPIALLREDUCE_LEARN=on and no tuning table: auto's call after "
+    notes = (f"float64 SUM, learning at its defaults, no tuning table: auto's call after "
              f"learning over the fastest algorithm called by name, medians of {args.repeats} "
              f"interleaved rounds; 'auto picked': what learning kept.")
     path = write(args.results, "auto with learning against the best algorithm called by name",

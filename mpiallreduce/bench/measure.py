@@ -221,7 +221,7 @@ class Case:
                 else self.warmup
             with np.errstate(all="ignore") if opts.in_place else contextlib.nullcontext():
                 seconds = _mean_time(run, self.iterations, warmup, comm, self.untraced)
-            if api == "plan":  # after its runs: with MPIALLREDUCE_LEARN=on, what auto learned
+            if api == "plan":  # after its runs: what auto learned (unless learning is off)
                 self.picked[label] = getattr(plan, "algorithm", algorithm)
             ok = True
             if opts.validate:
