@@ -157,9 +157,14 @@ class Record:
         self.candidates = [self.ruled] if names is None else list(names)
         self.samples = {name: self.samples.get(name, []) for name in self.candidates}
         if names is None:
-            self.verdict = decide.Verdict(self.ruled, self.ruled, float("nan"), float("nan"),
-                                          False, decide.TOO_SHORT)
-            self.winner = self.ruled
+            self.settle_short()
+
+    def settle_short(self) -> None:
+        """Keep the rules' choice, unmeasured: the case's calls are too short to learn."""
+        self.candidates, self._propose = [self.ruled], None
+        self.verdict = decide.Verdict(self.ruled, self.ruled, float("nan"), float("nan"),
+                                      False, decide.TOO_SHORT)
+        self.winner = self.ruled
 
     def ran(self, name: str, seconds: float, timed: bool) -> None:
         self.calls += 1
@@ -283,6 +288,10 @@ def resolve(state, call, nranks: int, ruled: str, what: str, shared: bool, topol
         entry = None if memory is None else memory.get(nranks, key, ruled)
         if entry is not None:
             record.recall(entry)
+        elif key[0] < select.LEARN_FLOOR_BYTES:
+            # too short by its size alone: the rules' plan from the first call, no learning
+            # plan in its path and nothing asked of the model
+            record.settle_short()
     if record.winner is not None and not record.relearn:
         return record.winner
     return LEARNING

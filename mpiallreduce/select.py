@@ -245,6 +245,10 @@ LEARN_CALLS, LEARN_FINALISTS = 30, 2
 #: this is about 50 us measured) keeps the rules' choice; where the model cannot predict (more
 #: ranks than it has cores), cases below LEARN_MIN_BYTES per rank do.
 LEARN_MIN_SECONDS, LEARN_MIN_BYTES = 100e-6, 512 << 10
+#: below this many bytes per rank no case is learned, nor the model asked (its prediction
+#: costs a new size 80-100 us, a job of 1,000 calls of 1 us 8-10%): no machine the model has
+#: fitted puts a call this small anywhere near LEARN_MIN_SECONDS
+LEARN_FLOOR_BYTES = 64 << 10
 #: at most this many candidates are timed; those the model predicts more than LEARN_MARGIN
 #: times slower than its fastest are not (the model ranks; the machine decides). Six: with
 #: four, the algorithm that measured best was often no candidate at all where the model puts

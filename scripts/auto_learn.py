@@ -98,7 +98,9 @@ def _first_calls(world, send, out, calls: int, algorithm: str) -> tuple[float, f
         for _ in range(calls - 1):
             mar.allreduce(send, out, comm=comm, algorithm=algorithm)
         rest = MPI.Wtime() - start - first
-        return tuple(comm.allreduce(np.array([first, rest]), op=MPI.MAX))
+        seconds = np.array([first, rest])
+        comm.Allreduce(MPI.IN_PLACE, seconds, MPI.MAX)
+        return tuple(seconds.tolist())
     finally:
         if kept is None:
             os.environ.pop("MPIALLREDUCE_LEARNED", None)

@@ -43,6 +43,7 @@ def learning(monkeypatch):
     monkeypatch.delenv(select.RELEARN_ENV, raising=False)
     monkeypatch.setattr(select, "LEARN_MIN_SECONDS", 0.0)
     monkeypatch.setattr(select, "LEARN_MIN_BYTES", 0)
+    monkeypatch.setattr(select, "LEARN_FLOOR_BYTES", 0)
 
 
 def _records(comm) -> list[learn.Record]:
@@ -243,9 +244,11 @@ def test_learning_is_on_by_default_and_decides_within_its_budget(comm, monkeypat
     monkeypatch.undo()  # the defaults, thresholds included (then no switch set at all)
     for name in (select.LEARN_ENV, select.LEARN_RUNS_ENV, select.RELEARN_ENV):
         monkeypatch.delenv(name, raising=False)
-    once = contribution(comm, 5, "float64")
-    mar.allreduce(once, np.empty_like(once), comm=comm)  # a case called once
-    for count in (100, 70_000):  # 800 B: too short; 560 KB: long enough, at any rank count
+    once = contribution(comm, 20_000, "float64")  # 160 KB: a case called once
+    mar.allreduce(once, np.empty_like(once), comm=comm)
+    # 800 B: too short by its size; 80 KB: too short by the model's prediction (or, where it
+    # cannot predict, by its size); 560 KB: long enough, at any rank count
+    for count in (100, 10_000, 70_000):
         x = contribution(comm, count, "float64")
         out = np.empty_like(x)
         for call in range(select.LEARN_CALLS + 5):
@@ -259,14 +262,17 @@ def test_learning_is_on_by_default_and_decides_within_its_budget(comm, monkeypat
         assert _records(comm) == []
         return
     by_size = {r.key[0]: r for r in _records(comm)}
-    single = by_size[32]  # 5 doubles: its one call ran the rules' choice, nothing ranked
+    single = by_size[131072]  # its one call ran the rules' choice, nothing ranked
     assert single.winner is None and single.candidates == [single.ruled]
     assert single.seen and single.learning_calls == 0
-    short = by_size[512]  # 100 doubles: the rules' choice, settled at its second call
-    assert short.winner == short.ruled and short.learning_calls == 0
-    assert short.verdict.reason == "too short to learn" and not short.verdict.decided
-    assert not select.learning_pays(comm.size, 800, short.ruled, "<f8", in_place)
-    assert not any(isinstance(e.plan, learn.Learner) and e.plan.recvbuf.size == 100
+    for bucket, seen in ((512, False), (65536, True)):
+        # settled at the first call (by size) or the second (by the model): the rules' choice
+        short = by_size[bucket]
+        assert short.winner == short.ruled and short.learning_calls == 0, bucket
+        assert short.verdict.reason == "too short to learn" and not short.verdict.decided
+        assert short.seen is seen
+        assert not select.learning_pays(comm.size, bucket, short.ruled, "<f8", in_place)
+    assert not any(isinstance(e.plan, learn.Learner) and e.plan.recvbuf.size in (100, 10_000)
                    for e in _state.existing(comm).calls.entries.values())
     record = by_size[524288]  # 70,000 doubles: the bucket of 560,000 bytes
     assert select.learning_pays(comm.size, 560_000, record.ruled, "<f8", in_place)

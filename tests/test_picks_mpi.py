@@ -31,6 +31,7 @@ def kept(tmp_path_factory, monkeypatch):
     monkeypatch.delenv(picks.DAYS_ENV, raising=False)
     monkeypatch.setattr(select, "LEARN_MIN_SECONDS", 0.0)  # small cases learn too
     monkeypatch.setattr(select, "LEARN_MIN_BYTES", 0)
+    monkeypatch.setattr(select, "LEARN_FLOOR_BYTES", 0)
     yield where
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0 and os.path.exists(where):
