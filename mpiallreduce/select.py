@@ -239,12 +239,13 @@ LEARN_DEFAULT, LEARN_RUNS, RELEARN_EVERY = "on", 5, 0
 #: the calls cost a job of 1,000 calls of the case.
 LEARN_CALLS, LEARN_FINALISTS = 30, 2
 #: learning pays only where a call is long: its candidates' set-up and 28 calls cost a case
-#: 1-3 ms beyond the rules' choice (``scripts/auto_learn.py``, its cost column), over 5% of a
-#: job of 1,000 calls below about 50 us a call. So a case the model predicts under
-#: LEARN_MIN_SECONDS per call (the model overestimates small calls on a loaded machine, so
-#: this is about 50 us measured) keeps the rules' choice; where the model cannot predict (more
-#: ranks than it has cores), cases below LEARN_MIN_BYTES per rank do.
-LEARN_MIN_SECONDS, LEARN_MIN_BYTES = 100e-6, 512 << 10
+#: 1-3 ms beyond the rules' choice (``scripts/auto_learn.py``, its cost column), 5-8% of a job
+#: of 1,000 calls of 40 us (256 KiB at 2 ranks) and 1-2% from 2 MiB. So a case the model
+#: predicts under LEARN_MIN_SECONDS per call keeps the rules' choice (the model puts shm at
+#: 256 KiB at 120 us and 512 KiB at 240 us, about three times what it measures on a busy
+#: machine); where the model cannot predict (more ranks than it has cores), cases below
+#: LEARN_MIN_BYTES per rank do.
+LEARN_MIN_SECONDS, LEARN_MIN_BYTES = 200e-6, 512 << 10
 #: below this many bytes per rank no case is learned, nor the model asked (its prediction
 #: costs a new size 80-100 us, a job of 1,000 calls of 1 us 8-10%): no machine the model has
 #: fitted puts a call this small anywhere near LEARN_MIN_SECONDS
