@@ -10,7 +10,8 @@ run, as a program keeps one) and plain ``COMM_WORLD.Allreduce(x, out, op=MPI.SUM
 interleaved call by call (which goes first alternates), each call between barriers:
 
 - ``new count``: call k reduces count k (1..``--calls``), a count this communicator has never
-  seen in that dtype, on fresh arrays; float64 and complex128, then float64 counts of 8-64 KiB;
+  seen in that dtype, on fresh arrays; float64 and complex128, then float64 counts of 8-64 KiB,
+  then int32 through ``mar.Comm(COMM_WORLD, check=False)`` (the check's share);
 - ``second call of a count``: the same in float32, each count called once untimed first (the
   call that binds ``mar.Comm``'s plan, where a count repeats);
 - ``repeated count``: the control, ``--repeats`` calls of 8 float64 elements on the same arrays
@@ -116,18 +117,26 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     root = comm.Get_rank() == 0
     wrapped = mar.Comm(comm)
+    # the same without the argument check: what the check itself costs a first call (an
+    # exchange between the ranks, on this machine more than an 8-byte Allreduce)
+    unchecked = mar.Comm(comm, check=False)
     for count in range(1, WARMUP + 1):
         x, out = _fresh(count, "int64", comm.Get_rank())
         wrapped.Allreduce(x, out, op=MPI.SUM)
         comm.Allreduce(x, out, op=MPI.SUM)
     n = args.calls
-    rows = [  # (case, dtype, counts as printed, counts, same arrays, untimed calls first)
-        ("new count", "float64", f"1..{n}", list(range(1, n + 1)), False, 0),
-        ("new count", "complex128", f"1..{n}", list(range(1, n + 1)), False, 0),
-        ("new count", "float64", "8-64 KiB", [1024 + 7 * k for k in range(n)], False, 0),
-        ("second call of a count", "float32", f"1..{n}", list(range(1, n + 1)), False, 1),
-        ("repeated count, same arrays", "float64", "8", [8] * args.repeats, True, 0),
-        ("repeated count, fresh arrays", "float64", "8", [8] * args.repeats, False, 0),
+    rows = [  # (case, dtype, counts as printed, counts, same arrays, untimed calls first,
+        #        the mar.Comm)
+        ("new count", "float64", f"1..{n}", list(range(1, n + 1)), False, 0, wrapped),
+        ("new count", "complex128", f"1..{n}", list(range(1, n + 1)), False, 0, wrapped),
+        ("new count", "float64", "8-64 KiB", [1024 + 7 * k for k in range(n)], False, 0,
+         wrapped),
+        ("new count, check=False", "int32", f"1..{n}", list(range(1, n + 1)), False, 0,
+         unchecked),
+        ("second call of a count", "float32", f"1..{n}", list(range(1, n + 1)), False, 1,
+         wrapped),
+        ("repeated count, same arrays", "float64", "8", [8] * args.repeats, True, 0, wrapped),
+        ("repeated count, fresh arrays", "float64", "8", [8] * args.repeats, False, 0, wrapped),
     ]
     library = library_name(MPI.Get_library_version())
     if root:
@@ -137,8 +146,8 @@ def main(argv=None) -> int:
         print(f"# {'case':<29} {'dtype':<10} {'counts':<9} {'mar.Comm us':>11} "
               f"{'plain us':>9} {'ratio':>6} {'calls':>6}", flush=True)
     results = []
-    for case, dtype, label, counts, reuse, earlier in rows:
-        row = measure(comm, wrapped, counts, dtype, reuse, earlier)
+    for case, dtype, label, counts, reuse, earlier, through in rows:
+        row = measure(comm, through, counts, dtype, reuse, earlier)
         results.append((case, dtype, label, row))
         if root:
             print(f"  {case:<29} {dtype:<10} {label:<9} {row['mar']:>11.1f} {row['plain']:>9.1f} "
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
             print(text)
     comm.Barrier()
     if root and not args.no_write:
-        first = results[0][3]
+        first, unchecked_row = results[0][3], results[3][3]
         written = write(
             "new_size_cost", "The first call on a new count: mar.Comm against comm.Allreduce",
             columns=["case", "dtype", "counts", "mar.Comm us", "comm.Allreduce us",
@@ -159,7 +168,8 @@ def main(argv=None) -> int:
             formats=["{}", "{}", "{}", "{:.1f}", "{:.1f}", "{:.2f}", "{}"],
             ranks=comm.Get_size(),
             values={"ratio": f"{first['ratio']:.1f}", "mar_us": f"{first['mar']:.0f}",
-                    "plain_us": f"{first['plain']:.0f}"},
+                    "plain_us": f"{first['plain']:.0f}",
+                    "unchecked_ratio": f"{unchecked_row['ratio']:.1f}"},
             command=("mpirun -n {} python -m mpi4py scripts/new_size_cost.py {}".format(
                 comm.Get_size(), " ".join(sys.argv[1:])).strip()),
             notes=("Single calls between barriers, mar.Comm(COMM_WORLD) (auto) and plain "
