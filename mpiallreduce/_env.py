@@ -1,4 +1,4 @@
-"""Integer settings read from the environment, with one error for a bad value."""
+"""Numeric settings read from the environment, with one error for a bad value."""
 
 from __future__ import annotations
 
@@ -8,13 +8,23 @@ import os
 def env_int(name: str, default: int, least: int = 0) -> int:
     """``int(os.environ[name])`` where set and not blank, else ``default``; ValueError naming the
     variable where the value is not an integer of at least ``least``."""
+    return _env_number(name, default, least, int, "an integer")
+
+
+def env_float(name: str, default: float, least: float = 0.0) -> float:
+    """``float(os.environ[name])`` where set and not blank, else ``default``; ValueError naming
+    the variable where the value is not a number of at least ``least``."""
+    return _env_number(name, default, least, float, "a number")
+
+
+def _env_number(name: str, default, least, kind, what: str):
     text = os.environ.get(name, "").strip()
     if not text:
         return default
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        value = least - 1
-    if value < least:
-        raise ValueError(f"{name}={text!r}: expected an integer >= {least}")
+        value = None
+    if value is None or not value >= least:  # (NaN is not >= anything)
+        raise ValueError(f"{name}={text!r}: expected {what} >= {least}")
     return value

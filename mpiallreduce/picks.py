@@ -34,6 +34,7 @@ rewritten at the next decision).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -47,6 +48,7 @@ import warnings
 from mpi4py import MPI
 
 from . import decide
+from ._env import env_float
 
 #: the file's format; another is ignored (and replaced at the next write)
 FORMAT = "mpiallreduce-learned/1"
@@ -70,20 +72,12 @@ def path() -> str | None:
 
 def max_days() -> float:
     """``MPIALLREDUCE_LEARNED_DAYS`` (a number >= 0; 0 reuses nothing), else :data:`MAX_DAYS`."""
-    raw = os.environ.get(DAYS_ENV, "").strip()
-    if not raw:
-        return MAX_DAYS
-    try:
-        days = float(raw)
-    except ValueError:
-        days = -1.0
-    if not days >= 0:
-        raise ValueError(f"{DAYS_ENV}={raw!r}: expected a number of days >= 0")
-    return days
+    return env_float(DAYS_ENV, MAX_DAYS, 0.0)
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere what ``platform`` knows)."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -101,7 +95,7 @@ def fingerprint(node_sizes) -> dict:
 
     library = MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00").strip()
     sizes = tuple(node_sizes)
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "mpi": library,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mpi": library,
             "mpiallreduce": __version__, "nodes": len(sizes),
             "ranks_per_node": "+".join(map(str, sorted(set(sizes))))}
 
@@ -212,10 +206,8 @@ def _update(file: str, finger: dict, name: str, entry: dict) -> None:
             out.write("\n")
         os.replace(temporary, file)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
-        except OSError:
-            pass
         raise
 
 

@@ -33,16 +33,6 @@ PROVENANCE_KEYS = ("machine", "cpu", "cores", "mpi", "mpi4py", "numpy", "python"
                    "command", "ranks", "load")
 
 
-def _cpu() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _memory_gib() -> float | None:
     try:
         for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
@@ -75,12 +65,14 @@ def provenance(ranks: int, command: str | None = None) -> dict:
     import numpy
     from mpi4py import MPI
 
+    from mpiallreduce.picks import cpu_model
+
     cores = os.cpu_count()
     mem = _memory_gib()
     return {
         "machine": f"{platform.system()} {platform.machine()}, {cores} cores"
                    + (f", {mem} GiB" if mem else ""),
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "cores": cores,
         "mpi": library_name(MPI.Get_library_version()),
         "mpi4py": __import__("mpi4py").__version__,

@@ -218,8 +218,9 @@ def _advice(samples: dict, report: dict, one_node: bool, ruled: str) -> dict:
     """What each advisor says at this row, with :func:`mpiallreduce.decide.decide` as each
     does: learning's own verdict (its rounds, the rules' choice the incumbent), tune's
     (:func:`mpiallreduce.tune.verdict` over the rounds of every algorithm by name here, the
-    built-in rules' choice ``ruled`` the incumbent, as tune's) and the bench's advice (the same rounds with auto's call, auto the
-    incumbent: a win names the algorithm to call instead of auto). They agree where every
+    built-in rules' choice ``ruled`` the incumbent, as tune's) and the bench's advice (the
+    same rounds with auto's call, auto the incumbent: a win names the algorithm to call
+    instead of auto). They agree where every
     decided verdict names the same algorithm (auto's stands for what it learned); a verdict
     "within noise" says the measurement could not tell, and disagrees with nothing."""
     names = {k: v for k, v in samples.items() if k not in ("auto", "comm.Allreduce")}

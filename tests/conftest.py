@@ -195,6 +195,22 @@ def assert_on_every_rank(comm, problem: str | None, out: np.ndarray | None = Non
         assert len(set(digests)) == 1, f"results differ across ranks: {digests}"
 
 
+def repeat_auto(comm, count: int, in_place: bool, calls: int) -> None:
+    """``calls`` calls of ``auto`` on the same arrays (float64 SUM, ``count`` elements), each
+    result checked against ``comm.Allreduce``: a case repeated as a program repeats it."""
+    import mpiallreduce as mar
+
+    x = contribution(comm, count, "float64")
+    out = np.empty_like(x)
+    for _ in range(calls):
+        if in_place:
+            out[:] = x
+            mar.allreduce(MPI.IN_PLACE, out, comm=comm)
+        else:
+            mar.allreduce(x, out, comm=comm)
+        assert_matches_native(comm, x, out, MPI.SUM)
+
+
 def assert_matches_native(comm, x: np.ndarray, out: np.ndarray, op, average: bool = False):
     """Compare ``out`` with comm.Allreduce(x, op) on every rank; exact for integers.
 

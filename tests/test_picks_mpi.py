@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
-from conftest import assert_matches_native, assert_on_every_rank, contribution
+from conftest import assert_on_every_rank, repeat_auto
 from mpi4py import MPI
 
 import mpiallreduce as mar
@@ -43,15 +42,7 @@ def _job(in_place: bool) -> dict:
     comm = MPI.COMM_WORLD.Dup()
     try:
         for count in SIZES:
-            x = contribution(comm, count, "float64")
-            out = np.empty_like(x)
-            for _ in range(select.LEARN_CALLS + 5):
-                if in_place:
-                    out[:] = x
-                    mar.allreduce(MPI.IN_PLACE, out, comm=comm)
-                else:
-                    mar.allreduce(x, out, comm=comm)
-                assert_matches_native(comm, x, out, MPI.SUM)
+            repeat_auto(comm, count, in_place, select.LEARN_CALLS + 5)
         state = _state.existing(comm)
         return {} if state is None else {r.key[0]: r for r in learn.records(state).values()}
     finally:
