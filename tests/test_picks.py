@@ -113,8 +113,9 @@ def test_an_unwritable_cache_warns_and_learning_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(picks.PATH_ENV, str(blocker / "learned.json"))
     with pytest.warns(RuntimeWarning, match="ignoring"):
         memory = picks.load(MPI.COMM_SELF, (2,))
-    with pytest.warns(RuntimeWarning, match="could not keep"):
+    with pytest.warns(RuntimeWarning) as caught:  # (the read before the write warns too)
         memory.put(2, KEY, _verdict(), {})
+    assert any("could not keep" in str(warning.message) for warning in caught)
     assert memory.get(2, KEY, "shm")["pick"] == "recursive_doubling"
 
 
