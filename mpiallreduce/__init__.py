@@ -29,7 +29,7 @@ sum, dot, norm2, shared_empty, shared_zeros, recover = (  # noqa: A001 - mar.sum
 _threads.guard_methods(Comm, ("Allreduce", "allreduce", "Reduce_scatter", "Reduce_scatter_block",
                               "Allgather", "Bcast", "Alltoall"))
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402 - after the guards, as before
 
 
 def __getattr__(name):

@@ -98,7 +98,8 @@ def build(call: Call, state: CommState, *, explicit: bool, persistent: bool,
     if name == learn.LEARNING:
         return learn.Learner(state, call, partial(
             build, call, state, explicit=explicit, persistent=persistent, timeout=timeout,
-            what=what, borrow_scratch=borrow_scratch, shared=shared), explicit)
+            what=what, borrow_scratch=borrow_scratch, shared=shared), explicit,
+            entry=lambda plan, objects: CallEntry(call, plan, state, objects))
     if name == "native":
         comm = state.duplicate(deadline, what) if explicit else private
         return NativePlan(comm, call.send, call.recv, call.reducer, timeout=timeout, state=state,

@@ -345,9 +345,11 @@ class Learner:
 
     traced = False
 
-    def __init__(self, state, call, bind, explicit: bool = True):
+    def __init__(self, state, call, bind, explicit: bool = True, entry=None):
+        """``entry(plan, objects)``: the call cache's entry of this call with ``plan`` bound
+        (:func:`forget` hands the winner's plan over through it)."""
         self._state = state
-        self._call = call  # (for the call cache's entry of the winner, :func:`forget`)
+        self._entry = entry
         self.record = record_of(state, call)
         self._bind = bind
         # a one-shot call pays the argument check before its run, except where the run is
@@ -461,15 +463,12 @@ def forget(state, record: Record) -> None:
     messages more than its learning did), or drop them where the winner was never built there;
     and drop the shapes of calls of its size and mode, so their next call binds the winner.
     Each rank does so at the same call."""
-    from ._plans import CallEntry
-
     calls = state.calls
     for key, entry in list(calls.entries.items()):
         plan = getattr(entry, "plan", None)
         if isinstance(plan, Learner) and plan.record is record:
-            winner = plan._plans.pop(record.winner, None)
-            if winner is None or not calls.put(key, CallEntry(plan._call, winner, state,
-                                                                entry.objects)):
+            winner = plan._plans.pop(record.winner, None) if plan._entry else None
+            if winner is None or not calls.put(key, plan._entry(winner, entry.objects)):
                 if winner is not None:
                     winner.free()
                 calls.discard(key)

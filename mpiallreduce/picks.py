@@ -49,6 +49,7 @@ from mpi4py import MPI
 
 from . import decide
 from ._env import env_float
+from ._version import __version__
 
 #: the file's format; another is ignored (and replaced at the next write)
 FORMAT = "mpiallreduce-learned/1"
@@ -91,8 +92,6 @@ def fingerprint(node_sizes) -> dict:
     """What makes one machine's verdicts another's: the CPU model and core count, the MPI
     library and its version, mpiallreduce's version, and how the ranks sit on nodes (the
     communicator size is part of each case)."""
-    from . import __version__
-
     library = MPI.Get_library_version().strip().splitlines()[0].rstrip("\x00").strip()
     sizes = tuple(node_sizes)
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "mpi": library,

@@ -28,7 +28,8 @@ LAYERS = {
     # core: plain data and pure functions, MPI only where a helper waits or reads a buffer
     "errors": "core", "ops": "core", "partition": "core", "schedule": "core", "sizes": "core",
     "topology": "core", "verify": "core", "algorithms": "core", "_waiting": "core",
-    "_dlpack": "core", "_env": "core", "_lru": "core", "_schedules": "core", "_shm_sizes": "core",
+    "_dlpack": "core", "_env": "core", "_version": "core", "_lru": "core", "_schedules": "core",
+    "_shm_sizes": "core",
     # the compiled twins (and the choice of form): they import nothing of the package, the
     # call path and shm hand them what they run
     "_form": "core", "_compiled": "core", "reproducible._exact": "core",
@@ -42,7 +43,7 @@ LAYERS = {
     # choice: what auto picks; the model predicts from schedules and machine files (its
     # command line too: model.cli prints predictions, and runs nothing on MPI); decide judges
     # measured rounds for the bench, tune and learning
-    "select": "choice", "model": "choice", "decide": "choice",
+    "select": "choice", "model": "choice", "decide": "choice", "picks": "choice",
     # calls: the one call path (normalise, cache, agree, bind) and the non-blocking entry points
     "_plans": "calls", "_agree": "calls", "_checks": "calls", "_state": "calls",
     "_buffers": "calls", "nonblocking": "calls", "learn": "calls",

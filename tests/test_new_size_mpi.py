@@ -257,6 +257,9 @@ def test_the_settings_follow_the_environment(monkeypatch, tmp_path):
         select.learn_settings()
     with pytest.raises(ValueError, match=select.LEARN_RUNS_ENV):  # a bad value is never kept
         select.learn_settings()
-    monkeypatch.delenv(select.LEARN_ENV)
+    monkeypatch.setenv(select.LEARN_ENV, "off")
     monkeypatch.delenv(select.LEARN_RUNS_ENV)
     assert not select.learn_settings().on
+    monkeypatch.delenv(select.LEARN_ENV)  # the default: on
+    assert select.learn_settings() == select.LearnSettings(True, select.LEARN_RUNS,
+                                                           select.RELEARN_EVERY)

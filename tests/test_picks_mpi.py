@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 from conftest import assert_on_every_rank, repeat_auto
@@ -20,9 +22,13 @@ SIZES = (1, 1000, 70_000)  # counts of float64
 
 
 @pytest.fixture
-def kept(tmp_path_factory, monkeypatch):
-    """Learning on (two timed runs per candidate), the picks in a file of rank 0's choosing."""
-    where = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("picks") / "learned.json"))
+def kept(monkeypatch):
+    """Learning on (three timed runs per candidate), the picks in a file of rank 0's choosing
+    (a folder rank 0 alone makes: pytest's own temporary folders are every rank's, and their
+    clean-ups race)."""
+    folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="picks-")
+                                  if MPI.COMM_WORLD.rank == 0 else None)
+    where = os.path.join(folder, "learned.json")
     monkeypatch.setenv(picks.PATH_ENV, where)
     monkeypatch.setenv(select.LEARN_ENV, "on")
     monkeypatch.setenv(select.LEARN_RUNS_ENV, "3")
@@ -33,8 +39,8 @@ def kept(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(select, "LEARN_FLOOR_BYTES", 0)
     yield where
     MPI.COMM_WORLD.Barrier()
-    if MPI.COMM_WORLD.rank == 0 and os.path.exists(where):
-        os.unlink(where)
+    if MPI.COMM_WORLD.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _job(in_place: bool) -> dict:
